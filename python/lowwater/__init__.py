@@ -1,0 +1,27 @@
+"""lowwater: rollouts of LLM agents with memory that returns to its low-water mark.
+
+The public API, nothing else.  See ``docs/`` for the architecture and the
+memory contract (every per-rollout structure, its owner and eviction point).
+"""
+
+from lowwater._native import (
+    BufferFull,
+    FetchBuffer,
+    InterceptTable,
+    InterceptView,
+    InternalError,
+    LowwaterError,
+    RolloutClosed,
+    ShardView,
+)
+
+__all__ = [
+    "BufferFull",
+    "FetchBuffer",
+    "InterceptTable",
+    "InterceptView",
+    "InternalError",
+    "LowwaterError",
+    "RolloutClosed",
+    "ShardView",
+]

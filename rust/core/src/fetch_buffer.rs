@@ -1,0 +1,185 @@
+//! The shard fetch buffer: `shard_id -> shard`, explicit eviction only.
+//!
+//! A consumer process fills it with shards fetched from their owners; the
+//! trainer drains it at step end with [`FetchBuffer::clear`].  Nothing is
+//! evicted behind the caller's back: over capacity, a put is refused.
+
+use std::sync::Arc;
+
+use crate::accounting::Accounting;
+use crate::dtype::expected_nbytes;
+use crate::error::TableError;
+use crate::payload::Payload;
+use crate::sync::{AtomicU64, Map, Ordering, Slot};
+
+/// One shard: a contiguous payload and what it holds.
+pub struct Shard {
+    pub id: Arc<str>,
+    pub dtype: Box<str>,
+    pub shape: Box<[usize]>,
+    pub owner: Box<str>,
+    pub payload: Payload,
+}
+
+/// Exact counters of a [`FetchBuffer`] (all bytes are payload bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FetchStats {
+    pub entries: u64,
+    pub bytes: u64,
+    pub peak_bytes: u64,
+    /// Payload bytes still allocated, including removed ones a view holds.
+    pub live_bytes: u64,
+    pub inserts: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub removals: u64,
+    pub rejected: u64,
+}
+
+pub struct FetchBuffer {
+    map: Map<Arc<str>, Slot<Shard>>,
+    acct: Accounting,
+    mmap_threshold: usize,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    removals: AtomicU64,
+}
+
+impl FetchBuffer {
+    /// `capacity_bytes`: bound on held payload bytes (`None`: unbounded).
+    /// `mmap_threshold`: payloads of at least this many bytes get their own
+    /// anonymous mapping.
+    pub fn new(capacity_bytes: Option<u64>, mmap_threshold: usize) -> Self {
+        FetchBuffer {
+            map: Map::new(),
+            acct: Accounting::new(capacity_bytes),
+            mmap_threshold,
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+            removals: AtomicU64::new(0),
+        }
+    }
+
+    pub fn capacity_bytes(&self) -> Option<u64> {
+        self.acct.capacity()
+    }
+
+    pub fn mmap_threshold(&self) -> usize {
+        self.mmap_threshold
+    }
+
+    /// Copy `data` in as shard `id`, replacing (and releasing) any shard held
+    /// under that id.
+    ///
+    /// Errors: [`TableError::Invalid`] when `data.len()` is not
+    /// `prod(shape) * itemsize(dtype)` or the dtype is unknown;
+    /// [`TableError::Full`] over capacity; [`TableError::Alloc`] when the OS
+    /// refuses the memory.
+    pub fn put(&self, id: &str, data: &[u8], dtype: &str, shape: &[usize], owner: &str) -> Result<(), TableError> {
+        let expected = expected_nbytes(dtype, shape)?;
+        if data.len() != expected {
+            return Err(TableError::Invalid {
+                reason: format!(
+                    "shard {id:?}: {} bytes do not match shape {shape:?} of {dtype} ({expected} bytes)",
+                    data.len()
+                ),
+            });
+        }
+        let n = data.len() as u64;
+        let replacing = self.map.get_with(id, |slot| slot.load().map_or(0, |s| s.payload.len() as u64));
+        self.acct.reserve(n, replacing.unwrap_or(0))?;
+        let payload = match Payload::copy_from(data, self.mmap_threshold, &self.acct.live) {
+            Ok(p) => p,
+            Err(e) => {
+                self.acct.unreserve(n);
+                return Err(e);
+            }
+        };
+        let key: Arc<str> = Arc::from(id);
+        let shard = Arc::new(Shard {
+            id: Arc::clone(&key),
+            dtype: dtype.into(),
+            shape: shape.into(),
+            owner: owner.into(),
+            payload,
+        });
+        self.acct.committed();
+        let old = self.map.insert_with(key, Slot::new(shard), |old| old.take()).flatten();
+        if let Some(old) = old {
+            // The replaced shard is released now; a view may still hold it.
+            self.acct.released(old.payload.len() as u64);
+            self.removals.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// The shard held under `id`, if any (counts a hit or a miss).
+    pub fn get(&self, id: &str) -> Option<Arc<Shard>> {
+        let found = self.map.get_with(id, |slot| slot.load()).flatten();
+        self.count_lookup(found.is_some());
+        found
+    }
+
+    /// Remove and return the shard held under `id` (counts a hit or a miss).
+    pub fn pop(&self, id: &str) -> Option<Arc<Shard>> {
+        let found = self.take(id);
+        self.count_lookup(found.is_some());
+        found
+    }
+
+    fn count_lookup(&self, hit: bool) {
+        let c = if hit { &self.hits } else { &self.misses };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Remove `id` and release its payload from the table; exactly one
+    /// concurrent caller gets the shard.
+    fn take(&self, id: &str) -> Option<Arc<Shard>> {
+        let shard = self.map.remove_with(id, |slot| slot.take()).flatten()?;
+        self.acct.released(shard.payload.len() as u64);
+        self.removals.fetch_add(1, Ordering::Relaxed);
+        Some(shard)
+    }
+
+    /// Remove each of `ids` that is held; unknown ids are skipped.  Returns
+    /// how many entries this call removed.
+    pub fn clear<S: AsRef<str>>(&self, ids: &[S]) -> usize {
+        ids.iter().filter(|id| self.take(id.as_ref()).is_some()).count()
+    }
+
+    /// Remove every entry; returns how many this call removed.
+    pub fn clear_all(&self) -> usize {
+        let keys = self.map.keys();
+        keys.iter().filter(|id| self.take(id).is_some()).count()
+    }
+
+    pub fn contains(&self, id: &str) -> bool {
+        self.map.contains(id)
+    }
+
+    pub fn keys(&self) -> Vec<Arc<str>> {
+        self.map.keys()
+    }
+
+    pub fn len(&self) -> usize {
+        Accounting::load(&self.acct.entries) as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn stats(&self) -> FetchStats {
+        FetchStats {
+            entries: Accounting::load(&self.acct.entries),
+            bytes: Accounting::load(&self.acct.bytes),
+            peak_bytes: Accounting::load(&self.acct.peak),
+            live_bytes: self.acct.live.get(),
+            inserts: Accounting::load(&self.acct.inserts),
+            hits: Accounting::load(&self.hits),
+            misses: Accounting::load(&self.misses),
+            removals: Accounting::load(&self.removals),
+            rejected: Accounting::load(&self.acct.rejected),
+        }
+    }
+}

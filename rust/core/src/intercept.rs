@@ -1,0 +1,291 @@
+//! The intercept table: `request_id -> intercept` for in-flight model calls.
+//!
+//! An intercept (the raw request body of one model call) is held for exactly
+//! the life of the call: discarded once its response is delivered, or swept
+//! when its rollout closes.  Only open rollouts are tracked, so nothing grows
+//! with the number of rollouts ever seen (no tombstones).
+//!
+//! Insert against close: an insert adds its entry and its id to the rollout's
+//! request set, then re-checks the rollout's `closed` flag; a close sets the
+//! flag, then sweeps the request set.  A SeqCst fence on each side between
+//! the write and the read (the store-buffer pattern) guarantees at least one
+//! side sees the other, so no intercept outlives its rollout's close.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::accounting::Accounting;
+use crate::error::TableError;
+use crate::payload::Payload;
+use crate::sync::{fence, AtomicBool, AtomicU64, Map, Ordering, Slot};
+
+/// One intercepted model call.
+pub struct Intercept {
+    pub request_id: Arc<str>,
+    pub rollout_id: Arc<str>,
+    pub protocol: Box<str>,
+    pub stream: bool,
+    pub created: Instant,
+    pub payload: Payload,
+}
+
+impl Intercept {
+    /// Seconds since the intercept was inserted.
+    pub fn age(&self) -> Duration {
+        self.created.elapsed()
+    }
+}
+
+struct Rollout {
+    closed: AtomicBool,
+    requests: Map<Arc<str>, ()>,
+}
+
+/// Exact counters of an [`InterceptTable`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct InterceptStats {
+    pub entries: u64,
+    pub bytes: u64,
+    pub peak_bytes: u64,
+    pub live_bytes: u64,
+    pub open_rollouts: u64,
+    pub inserts: u64,
+    pub discards: u64,
+    /// Intercepts removed because their rollout closed (by the close's sweep,
+    /// or by an insert that found its rollout closed under it).
+    pub swept: u64,
+    pub rejected: u64,
+}
+
+pub struct InterceptTable {
+    entries: Map<Arc<str>, Slot<Intercept>>,
+    rollouts: Map<Arc<str>, Rollout>,
+    acct: Accounting,
+    mmap_threshold: usize,
+    open_rollouts: AtomicU64,
+    discards: AtomicU64,
+    swept: AtomicU64,
+}
+
+impl InterceptTable {
+    pub fn new(capacity_bytes: Option<u64>, mmap_threshold: usize) -> Self {
+        InterceptTable {
+            entries: Map::new(),
+            rollouts: Map::new(),
+            acct: Accounting::new(capacity_bytes),
+            mmap_threshold,
+            open_rollouts: AtomicU64::new(0),
+            discards: AtomicU64::new(0),
+            swept: AtomicU64::new(0),
+        }
+    }
+
+    pub fn capacity_bytes(&self) -> Option<u64> {
+        self.acct.capacity()
+    }
+
+    pub fn mmap_threshold(&self) -> usize {
+        self.mmap_threshold
+    }
+
+    /// Start tracking `rollout_id`; idempotent.
+    pub fn open_rollout(&self, rollout_id: &str) {
+        let fresh = Rollout { closed: AtomicBool::new(false), requests: Map::new() };
+        if self.rollouts.try_insert(Arc::from(rollout_id), fresh).is_ok() {
+            self.open_rollouts.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    pub fn is_open(&self, rollout_id: &str) -> bool {
+        self.rollouts.contains(rollout_id)
+    }
+
+    /// Stop tracking `rollout_id` and remove every intercept it still holds.
+    /// Returns the removed request ids (so the caller can resolve the
+    /// handlers still waiting on them); empty when the rollout was not open.
+    pub fn close_rollout(&self, rollout_id: &str) -> Vec<String> {
+        let swept = self.rollouts.remove_with(rollout_id, |rollout| {
+            rollout.closed.store(true, Ordering::SeqCst);
+            fence(Ordering::SeqCst);
+            let mut swept = Vec::new();
+            rollout.requests.for_each(|req, _| {
+                if self.remove_owned(req, rollout_id) {
+                    swept.push(req.to_string());
+                }
+            });
+            swept
+        });
+        match swept {
+            Some(list) => {
+                self.open_rollouts.fetch_sub(1, Ordering::Relaxed);
+                list
+            }
+            None => Vec::new(),
+        }
+    }
+
+    /// Remove `req` if it is held for `rollout_id`; counts it as swept.
+    fn remove_owned(&self, req: &str, rollout_id: &str) -> bool {
+        let taken = self
+            .entries
+            .remove_if_with(
+                req,
+                |_, slot| slot.load().is_some_and(|i| &*i.rollout_id == rollout_id),
+                |slot| slot.take(),
+            )
+            .flatten();
+        match taken {
+            Some(intercept) => {
+                self.acct.released(intercept.payload.len() as u64);
+                self.swept.fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Hold `body` as the intercept `request_id` of `rollout_id`.
+    ///
+    /// Errors: [`TableError::RolloutClosed`] when the rollout is not open or
+    /// closed during the insert (the entry is then not held);
+    /// [`TableError::Duplicate`] when `request_id` is already held;
+    /// [`TableError::Full`] over capacity; [`TableError::Alloc`].
+    pub fn insert(
+        &self,
+        request_id: &str,
+        rollout_id: &str,
+        body: &[u8],
+        protocol: &str,
+        stream: bool,
+    ) -> Result<(), TableError> {
+        let closed = || TableError::RolloutClosed { rollout_id: rollout_id.to_string() };
+        let duplicate = || TableError::Duplicate { key: request_id.to_string() };
+        // Cheap early refusals, before reserving and copying a large body.
+        if !self.rollouts.contains(rollout_id) {
+            return Err(closed());
+        }
+        if self.entries.contains(request_id) {
+            return Err(duplicate());
+        }
+        let n = body.len() as u64;
+        self.acct.reserve(n, 0)?;
+        let payload = match Payload::copy_from(body, self.mmap_threshold, &self.acct.live) {
+            Ok(p) => p,
+            Err(e) => {
+                self.acct.unreserve(n);
+                return Err(e);
+            }
+        };
+        let key: Arc<str> = Arc::from(request_id);
+        let intercept = Arc::new(Intercept {
+            request_id: Arc::clone(&key),
+            rollout_id: Arc::from(rollout_id),
+            protocol: protocol.into(),
+            stream,
+            created: Instant::now(),
+            payload,
+        });
+        let outcome = self.rollouts.get_with(rollout_id, |rollout| {
+            if self.entries.try_insert(Arc::clone(&key), Slot::new(intercept)).is_err() {
+                return Err(duplicate());
+            }
+            self.acct.committed();
+            rollout.requests.insert_with(Arc::clone(&key), (), |_| ());
+            fence(Ordering::SeqCst);
+            if rollout.closed.load(Ordering::SeqCst) {
+                // The close may or may not have seen our id: remove our own
+                // entry if it is still there, so it cannot outlive the rollout.
+                self.remove_owned(request_id, rollout_id);
+                return Err(closed());
+            }
+            Ok(())
+        });
+        match outcome {
+            Some(Ok(())) => Ok(()),
+            Some(Err(e @ TableError::Duplicate { .. })) => {
+                self.acct.unreserve(n);
+                Err(e)
+            }
+            Some(Err(e)) => Err(e),
+            None => {
+                self.acct.unreserve(n);
+                Err(closed())
+            }
+        }
+    }
+
+    /// The intercept held under `request_id`, if any.
+    pub fn get(&self, request_id: &str) -> Option<Arc<Intercept>> {
+        self.entries.get_with(request_id, |slot| slot.load()).flatten()
+    }
+
+    /// Remove `request_id`; true only for the call that removed it.
+    pub fn discard(&self, request_id: &str) -> bool {
+        let Some(intercept) = self.entries.remove_with(request_id, |slot| slot.take()).flatten() else {
+            return false;
+        };
+        self.acct.released(intercept.payload.len() as u64);
+        self.discards.fetch_add(1, Ordering::Relaxed);
+        // Keep the rollout's request set from growing with delivered calls.
+        self.rollouts.get_with(&*intercept.rollout_id, |rollout| {
+            rollout.requests.remove_with(request_id, |_| ());
+        });
+        true
+    }
+
+    /// Request ids held for longer than `older_than`.
+    pub fn stale(&self, older_than: Duration) -> Vec<String> {
+        let mut out = Vec::new();
+        self.entries.for_each(|req, slot| {
+            if slot.load().is_some_and(|i| i.age() > older_than) {
+                out.push(req.to_string());
+            }
+        });
+        out
+    }
+
+    /// Request ids currently held for `rollout_id` (empty if not open).
+    pub fn rollout_requests(&self, rollout_id: &str) -> Vec<String> {
+        self.rollouts
+            .get_with(rollout_id, |r| {
+                let mut out = Vec::new();
+                r.requests.for_each(|req, _| {
+                    if self.entries.contains(&**req) {
+                        out.push(req.to_string());
+                    }
+                });
+                out
+            })
+            .unwrap_or_default()
+    }
+
+    pub fn contains(&self, request_id: &str) -> bool {
+        self.entries.contains(request_id)
+    }
+
+    pub fn keys(&self) -> Vec<Arc<str>> {
+        self.entries.keys()
+    }
+
+    pub fn len(&self) -> usize {
+        Accounting::load(&self.acct.entries) as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn stats(&self) -> InterceptStats {
+        InterceptStats {
+            entries: Accounting::load(&self.acct.entries),
+            bytes: Accounting::load(&self.acct.bytes),
+            peak_bytes: Accounting::load(&self.acct.peak),
+            live_bytes: self.acct.live.get(),
+            open_rollouts: Accounting::load(&self.open_rollouts),
+            inserts: Accounting::load(&self.acct.inserts),
+            discards: Accounting::load(&self.discards),
+            swept: Accounting::load(&self.swept),
+            rejected: Accounting::load(&self.acct.rejected),
+        }
+    }
+}

@@ -1,0 +1,90 @@
+//! Payload storage: the bytes of one shard or one request body.
+//!
+//! Small payloads are ordinary heap allocations.  Payloads of at least the
+//! table's `mmap_threshold` get their own anonymous mapping: glibc's dynamic
+//! mmap threshold rises after a large free, so later payloads of the same size
+//! would come from arenas that are never returned to the OS; a private
+//! mapping is unmapped on drop whatever the allocator does.
+
+use std::sync::Arc;
+
+use crate::error::TableError;
+use crate::sync::{AtomicU64, Ordering};
+
+enum Storage {
+    Heap(Box<[u8]>),
+    Mapped(memmap2::Mmap),
+}
+
+/// Bytes still allocated by a table's payloads, including payloads that were
+/// removed from the table but are still held by a view.
+#[derive(Default)]
+pub struct LiveBytes(AtomicU64);
+
+impl LiveBytes {
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+/// An immutable byte payload that reports its release to its table's
+/// [`LiveBytes`] when the last reference drops.
+pub struct Payload {
+    storage: Storage,
+    live: Arc<LiveBytes>,
+}
+
+impl Payload {
+    /// Copy `src` into a new payload; at or above `mmap_threshold` bytes the
+    /// copy goes into a fresh anonymous mapping.
+    ///
+    /// Errors: [`TableError::Alloc`] when the mapping cannot be created.
+    pub fn copy_from(src: &[u8], mmap_threshold: usize, live: &Arc<LiveBytes>) -> Result<Self, TableError> {
+        let storage = if !src.is_empty() && src.len() >= mmap_threshold {
+            let mut map = memmap2::MmapMut::map_anon(src.len()).map_err(|e| TableError::Alloc {
+                bytes: src.len(),
+                reason: e.to_string(),
+            })?;
+            map.copy_from_slice(src);
+            // Read-only from here on: views hand Python a read-only buffer, and
+            // a write through a stray pointer now faults instead of corrupting.
+            Storage::Mapped(map.make_read_only().map_err(|e| TableError::Alloc {
+                bytes: src.len(),
+                reason: e.to_string(),
+            })?)
+        } else {
+            // One pass: reserve exactly, then copy (no zero-fill first).
+            let mut v = Vec::with_capacity(src.len());
+            v.extend_from_slice(src);
+            Storage::Heap(v.into_boxed_slice())
+        };
+        live.0.fetch_add(src.len() as u64, Ordering::AcqRel);
+        Ok(Payload { storage, live: Arc::clone(live) })
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        match &self.storage {
+            Storage::Heap(b) => b,
+            Storage::Mapped(m) => m,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// True when the payload lives in its own anonymous mapping.
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.storage, Storage::Mapped(_))
+    }
+}
+
+impl Drop for Payload {
+    fn drop(&mut self) {
+        self.live.0.fetch_sub(self.len() as u64, Ordering::AcqRel);
+    }
+}

@@ -1,0 +1,244 @@
+//! Concurrency primitives the tables are written against.
+//!
+//! Normal builds use papaya's lock-free map and arc-swap's atomic slot.  Under
+//! `--cfg loom` both are replaced by stand-ins built on loom's primitives, so
+//! the loom model (tests/loom.rs) explores the tables' own protocols (take on
+//! remove, insert against close) with every interleaving loom can produce.
+//! Stand-ins hand out values after releasing their lock, as papaya hands out
+//! references that stay valid under a guard after a concurrent removal: the
+//! model must not get a serialisation the real map does not give.
+
+use std::borrow::Borrow;
+use std::hash::Hash;
+
+#[cfg(loom)]
+pub(crate) use loom::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
+#[cfg(not(loom))]
+pub(crate) use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
+
+/// A value cell whose payload is taken out at removal.
+///
+/// The map may keep a removed cell until its reclamation batch fills (papaya
+/// reclaims through seize in batches); only this small shell waits, because
+/// whoever removes the cell takes the payload `Arc` out of it at once.
+pub(crate) struct Slot<T> {
+    #[cfg(not(loom))]
+    inner: arc_swap::ArcSwapOption<T>,
+    #[cfg(loom)]
+    inner: loom::sync::Mutex<Option<std::sync::Arc<T>>>,
+}
+
+impl<T> Slot<T> {
+    pub(crate) fn new(value: std::sync::Arc<T>) -> Self {
+        #[cfg(not(loom))]
+        {
+            Slot { inner: arc_swap::ArcSwapOption::new(Some(value)) }
+        }
+        #[cfg(loom)]
+        {
+            Slot { inner: loom::sync::Mutex::new(Some(value)) }
+        }
+    }
+
+    /// The payload, or `None` once it was taken (a concurrent removal won).
+    pub(crate) fn load(&self) -> Option<std::sync::Arc<T>> {
+        #[cfg(not(loom))]
+        {
+            self.inner.load_full()
+        }
+        #[cfg(loom)]
+        {
+            self.inner.lock().unwrap().clone()
+        }
+    }
+
+    /// Take the payload out; exactly one caller gets `Some`.
+    pub(crate) fn take(&self) -> Option<std::sync::Arc<T>> {
+        #[cfg(not(loom))]
+        {
+            self.inner.swap(None)
+        }
+        #[cfg(loom)]
+        {
+            self.inner.lock().unwrap().take()
+        }
+    }
+}
+
+/// A concurrent map whose operations run a closure on the value they touch.
+///
+/// The closure sees a value that stays valid for the closure's duration even
+/// if another thread removes it meanwhile (papaya's guard semantics).
+pub(crate) struct Map<K, V> {
+    #[cfg(not(loom))]
+    inner: papaya::HashMap<K, V>,
+    #[cfg(loom)]
+    inner: loom::sync::Mutex<std::collections::HashMap<K, std::sync::Arc<V>>>,
+}
+
+#[cfg(not(loom))]
+impl<K: Hash + Eq + Clone, V> Map<K, V> {
+    pub(crate) fn new() -> Self {
+        Map { inner: papaya::HashMap::new() }
+    }
+
+    pub(crate) fn get_with<Q, R>(&self, key: &Q, f: impl FnOnce(&V) -> R) -> Option<R>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let guard = self.inner.pin();
+        guard.get(key).map(f)
+    }
+
+    pub(crate) fn contains<Q>(&self, key: &Q) -> bool
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.inner.pin().contains_key(key)
+    }
+
+    /// Insert or replace; `on_old` runs on the replaced value, if any.
+    pub(crate) fn insert_with<R>(&self, key: K, value: V, on_old: impl FnOnce(&V) -> R) -> Option<R> {
+        let guard = self.inner.pin();
+        guard.insert(key, value).map(on_old)
+    }
+
+    /// Insert only if absent; on a duplicate the value is handed back.
+    pub(crate) fn try_insert(&self, key: K, value: V) -> Result<(), V> {
+        let guard = self.inner.pin();
+        match guard.try_insert(key, value) {
+            Ok(_) => Ok(()),
+            Err(occupied) => Err(occupied.not_inserted),
+        }
+    }
+
+    pub(crate) fn remove_with<Q, R>(&self, key: &Q, f: impl FnOnce(&V) -> R) -> Option<R>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let guard = self.inner.pin();
+        guard.remove(key).map(f)
+    }
+
+    /// Remove `key` only if `pred` holds for its current value.
+    pub(crate) fn remove_if_with<Q, R>(
+        &self,
+        key: &Q,
+        pred: impl FnMut(&K, &V) -> bool,
+        f: impl FnOnce(&V) -> R,
+    ) -> Option<R>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let guard = self.inner.pin();
+        match guard.remove_if(key, pred) {
+            Ok(Some((_, v))) => Some(f(v)),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn for_each(&self, mut f: impl FnMut(&K, &V)) {
+        let guard = self.inner.pin();
+        for (k, v) in guard.iter() {
+            f(k, v);
+        }
+    }
+
+    pub(crate) fn keys(&self) -> Vec<K> {
+        let guard = self.inner.pin();
+        guard.keys().cloned().collect()
+    }
+}
+
+#[cfg(loom)]
+impl<K: Hash + Eq + Clone, V> Map<K, V> {
+    pub(crate) fn new() -> Self {
+        Map { inner: loom::sync::Mutex::new(std::collections::HashMap::new()) }
+    }
+
+    fn cloned<Q>(&self, key: &Q) -> Option<std::sync::Arc<V>>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.inner.lock().unwrap().get(key).cloned()
+    }
+
+    pub(crate) fn get_with<Q, R>(&self, key: &Q, f: impl FnOnce(&V) -> R) -> Option<R>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let v = self.cloned(key);
+        v.map(|v| f(&v))
+    }
+
+    pub(crate) fn contains<Q>(&self, key: &Q) -> bool
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.inner.lock().unwrap().contains_key(key)
+    }
+
+    pub(crate) fn insert_with<R>(&self, key: K, value: V, on_old: impl FnOnce(&V) -> R) -> Option<R> {
+        let old = self.inner.lock().unwrap().insert(key, std::sync::Arc::new(value));
+        old.map(|v| on_old(&v))
+    }
+
+    pub(crate) fn try_insert(&self, key: K, value: V) -> Result<(), V> {
+        let mut map = self.inner.lock().unwrap();
+        if map.contains_key(&key) {
+            return Err(value);
+        }
+        map.insert(key, std::sync::Arc::new(value));
+        Ok(())
+    }
+
+    pub(crate) fn remove_with<Q, R>(&self, key: &Q, f: impl FnOnce(&V) -> R) -> Option<R>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let old = self.inner.lock().unwrap().remove(key);
+        old.map(|v| f(&v))
+    }
+
+    pub(crate) fn remove_if_with<Q, R>(
+        &self,
+        key: &Q,
+        mut pred: impl FnMut(&K, &V) -> bool,
+        f: impl FnOnce(&V) -> R,
+    ) -> Option<R>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let old = {
+            let mut map = self.inner.lock().unwrap();
+            let hit = map.get_key_value(key).map(|(k, v)| pred(k, v)).unwrap_or(false);
+            if hit {
+                map.remove(key)
+            } else {
+                None
+            }
+        };
+        old.map(|v| f(&v))
+    }
+
+    pub(crate) fn for_each(&self, mut f: impl FnMut(&K, &V)) {
+        let items: Vec<(K, std::sync::Arc<V>)> =
+            self.inner.lock().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        for (k, v) in items {
+            f(&k, &v);
+        }
+    }
+
+    pub(crate) fn keys(&self) -> Vec<K> {
+        self.inner.lock().unwrap().keys().cloned().collect()
+    }
+}

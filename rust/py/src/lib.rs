@@ -1,0 +1,22 @@
+//! `lowwater._native`: the thin pyo3 binding of `lowwater-core`.
+//!
+//! Only conversion lives here: buffer-protocol reads and exports, argument
+//! validation, error mapping to named exceptions, and panic containment.
+
+use pyo3::prelude::*;
+
+mod buffer;
+mod errors;
+mod fetch_buffer;
+mod intercept;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(m)?;
+    m.add_class::<fetch_buffer::FetchBuffer>()?;
+    m.add_class::<fetch_buffer::ShardView>()?;
+    m.add_class::<intercept::InterceptTable>()?;
+    m.add_class::<intercept::InterceptView>()?;
+    m.add("DTYPES", lowwater_core::dtype::DTYPES.iter().map(|(n, _)| *n).collect::<Vec<_>>())?;
+    Ok(())
+}
