@@ -21,12 +21,17 @@ pub const DTYPES: &[(&str, usize)] = &[
     ("complex128", 16),
 ];
 
-/// Item size in bytes of `dtype`.
-pub fn itemsize(dtype: &str) -> Result<usize, TableError> {
-    DTYPES.iter().find(|(name, _)| *name == dtype).map(|(_, size)| *size).ok_or_else(|| {
+/// The canonical (static) name and item size in bytes of `dtype`.
+pub fn lookup(dtype: &str) -> Result<(&'static str, usize), TableError> {
+    DTYPES.iter().find(|(name, _)| *name == dtype).copied().ok_or_else(|| {
         let names: Vec<&str> = DTYPES.iter().map(|(n, _)| *n).collect();
         TableError::Invalid { reason: format!("unknown dtype {dtype:?}; expected one of {}", names.join(", ")) }
     })
+}
+
+/// Item size in bytes of `dtype`.
+pub fn itemsize(dtype: &str) -> Result<usize, TableError> {
+    lookup(dtype).map(|(_, size)| size)
 }
 
 /// Bytes a shard of `dtype` and `shape` must hold (checked for overflow).

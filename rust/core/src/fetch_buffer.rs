@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use crate::accounting::Accounting;
-use crate::dtype::expected_nbytes;
+use crate::dtype::{expected_nbytes, lookup};
 use crate::error::TableError;
 use crate::payload::Payload;
 use crate::sync::{AtomicU64, Map, Ordering, Slot};
@@ -15,7 +15,7 @@ use crate::sync::{AtomicU64, Map, Ordering, Slot};
 /// One shard: a contiguous payload and what it holds.
 pub struct Shard {
     pub id: Arc<str>,
-    pub dtype: Box<str>,
+    pub dtype: &'static str,
     pub shape: Box<[usize]>,
     pub owner: Box<str>,
     pub payload: Payload,
@@ -85,9 +85,14 @@ impl FetchBuffer {
                 ),
             });
         }
+        let (dtype, _) = lookup(dtype)?;
         let n = data.len() as u64;
-        let replacing = self.map.get_with(id, |slot| slot.load().map_or(0, |s| s.payload.len() as u64));
-        self.acct.reserve(n, replacing.unwrap_or(0))?;
+        // Only a bounded buffer needs the replaced size (an extra lookup per put).
+        let replacing = match self.acct.capacity() {
+            Some(_) => self.map.get_with(id, |slot| slot.load().map_or(0, |s| s.payload.len() as u64)).unwrap_or(0),
+            None => 0,
+        };
+        self.acct.reserve(n, replacing)?;
         let payload = match Payload::copy_from(data, self.mmap_threshold, &self.acct.live) {
             Ok(p) => p,
             Err(e) => {
@@ -98,7 +103,7 @@ impl FetchBuffer {
         let key: Arc<str> = Arc::from(id);
         let shard = Arc::new(Shard {
             id: Arc::clone(&key),
-            dtype: dtype.into(),
+            dtype,
             shape: shape.into(),
             owner: owner.into(),
             payload,

@@ -70,8 +70,10 @@ impl<T> Slot<T> {
 /// The closure sees a value that stays valid for the closure's duration even
 /// if another thread removes it meanwhile (papaya's guard semantics).
 pub(crate) struct Map<K, V> {
+    // foldhash instead of SipHash: keys are ids lowwater or its trainer made,
+    // and hashing is a visible share of a 1 KiB put (benches/tables.py).
     #[cfg(not(loom))]
-    inner: papaya::HashMap<K, V>,
+    inner: papaya::HashMap<K, V, foldhash::fast::RandomState>,
     #[cfg(loom)]
     inner: loom::sync::Mutex<std::collections::HashMap<K, std::sync::Arc<V>>>,
 }
@@ -79,7 +81,14 @@ pub(crate) struct Map<K, V> {
 #[cfg(not(loom))]
 impl<K: Hash + Eq + Clone, V> Map<K, V> {
     pub(crate) fn new() -> Self {
-        Map { inner: papaya::HashMap::new() }
+        // Blocking resize: incremental resizing made every op during a resize help
+        // copy (8% of a put/pop loop in perf); a table of ids resizes rarely.
+        Map {
+            inner: papaya::HashMap::builder()
+                .hasher(foldhash::fast::RandomState::default())
+                .resize_mode(papaya::ResizeMode::Blocking)
+                .build(),
+        }
     }
 
     pub(crate) fn get_with<Q, R>(&self, key: &Q, f: impl FnOnce(&V) -> R) -> Option<R>

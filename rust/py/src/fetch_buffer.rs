@@ -16,6 +16,13 @@ pub(crate) fn non_negative(name: &str, value: i64) -> PyResult<u64> {
     u64::try_from(value).map_err(|_| PyValueError::new_err(format!("{name} must be >= 0, got {value}")))
 }
 
+fn shape_repr(shape: &[usize]) -> String {
+    match shape {
+        [one] => format!("({one},)"),
+        dims => format!("({})", dims.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")),
+    }
+}
+
 /// Read-only zero-copy view of one shard (buffer protocol); keeps the
 /// payload alive after its entry is removed.
 #[pyclass(frozen, module = "lowwater")]
@@ -30,8 +37,8 @@ impl ShardView {
         &self.shard.id
     }
     #[getter]
-    fn dtype(&self) -> &str {
-        &self.shard.dtype
+    fn dtype(&self) -> &'static str {
+        self.shard.dtype
     }
     #[getter]
     fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
@@ -50,10 +57,10 @@ impl ShardView {
     }
     fn __repr__(&self) -> String {
         format!(
-            "ShardView(shard_id={:?}, dtype={:?}, shape={:?}, nbytes={}, owner={:?})",
+            "ShardView(shard_id={:?}, dtype={:?}, shape={}, nbytes={}, owner={:?})",
             &*self.shard.id,
-            &*self.shard.dtype,
-            &*self.shard.shape,
+            self.shard.dtype,
+            shape_repr(&self.shard.shape),
             self.shard.payload.len(),
             &*self.shard.owner
         )
@@ -100,14 +107,13 @@ impl FetchBuffer {
         shard_id: &str,
         data: &Bound<'_, PyAny>,
         dtype: &str,
-        shape: Vec<i64>,
+        shape: &Bound<'_, PyAny>,
         owner: &str,
     ) -> PyResult<()> {
         guarded(|| {
-            let dims = shape
-                .iter()
-                .map(|&d| usize::try_from(d).map_err(|_| PyValueError::new_err(format!("shape {shape:?} has a negative dimension"))))
-                .collect::<PyResult<Vec<usize>>>()?;
+            let mut stack = [0usize; 8];
+            let mut heap = Vec::new();
+            let dims = parse_shape(shape, &mut stack, &mut heap)?;
             let src = Borrowed::new(data, "data")?;
             let bytes = src.as_slice();
             let put = || self.inner.put(shard_id, bytes, dtype, &dims, owner);
@@ -172,6 +178,30 @@ impl FetchBuffer {
         let s = self.inner.stats();
         format!("FetchBuffer(entries={}, bytes={}, live_bytes={})", s.entries, s.bytes, s.live_bytes)
     }
+}
+
+/// Dimensions from a tuple or list of non-negative ints, on the stack for up
+/// to 8 dimensions (a 1 KiB put is dominated by such small costs).
+fn parse_shape<'a>(shape: &Bound<'_, PyAny>, stack: &'a mut [usize; 8], heap: &'a mut Vec<usize>) -> PyResult<&'a [usize]> {
+    let dim = |item: Bound<'_, PyAny>| -> PyResult<usize> {
+        let d: i64 = item.extract().map_err(|_| PyTypeError::new_err(format!("shape must contain ints, got {shape}")))?;
+        usize::try_from(d).map_err(|_| PyValueError::new_err(format!("shape {shape} has a negative dimension")))
+    };
+    if let Ok(t) = shape.cast::<PyTuple>() {
+        if t.len() <= stack.len() {
+            for (i, item) in t.iter().enumerate() {
+                stack[i] = dim(item)?;
+            }
+            return Ok(&stack[..t.len()]);
+        }
+    }
+    if shape.is_instance_of::<PyString>() {
+        return Err(PyTypeError::new_err("shape must be a tuple of ints, not a str"));
+    }
+    for item in shape.try_iter().map_err(|_| PyTypeError::new_err(format!("shape must be a tuple of ints, got {shape}")))? {
+        heap.push(dim(item?)?);
+    }
+    Ok(heap)
 }
 
 /// A list of ids from any iterable of str; a bare str is refused (iterating
