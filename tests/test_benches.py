@@ -1,0 +1,36 @@
+"""Every benchmark's --quick run prints the JSON shape ../shared/BENCHMARKS.md asks for.
+
+Shapes only: the test suite never asserts a time.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHES = Path(__file__).resolve().parent.parent / "benches"
+UNIT_SUFFIXES = ("_bytes", "_mb", "_s", "_ms", "_us", "_per_s", "_ratio", "_count")
+
+
+def run_quick(name: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, str(BENCHES / f"{name}.py"), "--quick"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", ["tables"])
+def test_quick_run_prints_benchmark_json(name):
+    line = run_quick(name)
+    assert set(line) == {"bench", "commit", "params", "results", "targets"}
+    assert line["bench"] == name and line["params"]["quick"] is True
+    for key, value in line["results"].items():
+        assert key.endswith(UNIT_SUFFIXES), f"{key} has no unit in its name"
+        assert isinstance(value, (int, float))
+    for key, t in line["targets"].items():
+        assert key in line["results"] and t["value"] == line["results"][key]
+        assert ("max" in t) != ("min" in t) and isinstance(t["met"], bool)
