@@ -10,6 +10,9 @@ seconds.
 
 from collections.abc import Buffer, Iterable
 
+DTYPES: dict[str, int]
+"""Supported dtype names and their item sizes in bytes."""
+
 class LowwaterError(Exception):
     """Base class of every error the extension raises on purpose."""
 

@@ -17,6 +17,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<fetch_buffer::ShardView>()?;
     m.add_class::<intercept::InterceptTable>()?;
     m.add_class::<intercept::InterceptView>()?;
-    m.add("DTYPES", lowwater_core::dtype::DTYPES.iter().map(|(n, _)| *n).collect::<Vec<_>>())?;
+    // dtype name -> item size in bytes, the table `put` validates against.
+    let dtypes = pyo3::types::PyDict::new(m.py());
+    for (name, size) in lowwater_core::dtype::DTYPES {
+        dtypes.set_item(*name, *size)?;
+    }
+    m.add("DTYPES", dtypes)?;
     Ok(())
 }

@@ -1,0 +1,480 @@
+"""Shards: the owner's shard store, consumers' fetch, and the step-end drain.
+
+A *shard* is a contiguous tensor payload (bytes + dtype + shape) produced for
+a trainer.  Its producer keeps it in a :class:`ShardStore` (owner side, a
+:class:`~lowwater.FetchBuffer`) and hands out :class:`ShardRef` references.
+Consumers resolve references with :meth:`ShardConsumer.fetch` into their own
+fetch buffer, and at step end :func:`clear_batch` removes the owner's copies
+and tells every consumer to drain exactly those ids (DESIGN.md section 1: the
+consumer processes that grew ~2 GB per step because only the controller
+drained).
+
+Wire format (payloads travel as raw bytes, never base64 JSON):
+
+* ``PUT /shards/{id}`` with headers ``x-lowwater-dtype`` and
+  ``x-lowwater-shape`` (comma-separated ints, empty for a scalar).
+* ``GET /shards/{id}``: the payload, with the same headers; 404 if absent.
+* ``POST /shards/batch`` ``{"ids": [...]}``: 400 naming missing ids, else a
+  framed body: 4-byte little-endian header length ``n``, ``n`` bytes of JSON
+  ``[{"id", "dtype", "shape", "nbytes"}, ...]``, then the payloads in order.
+* ``DELETE /shards`` ``{"ids": [...]}``: ``{"removed": n, "stats": {...}}``.
+* ``GET /shards/stats``: the store's fetch-buffer stats.
+
+Consumers answer ``POST /buffer/drain`` ``{"ids": [...]}`` with
+``{"removed": n, "stats": {...}}`` and ``GET /buffer/stats``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import struct
+from collections.abc import Iterable, Sequence
+from typing import Any
+from urllib.parse import quote, unquote
+
+import attrs
+import httpx
+import orjson
+import trio
+
+from lowwater import BufferFull, FetchBuffer, LowwaterError, ShardView
+from lowwater._native import DTYPES
+from lowwater.asgi import (
+    HTTPError,
+    Receive,
+    Scope,
+    Send,
+    id_list,
+    lifespan,
+    parse_json,
+    read_body,
+    send_bytes,
+    send_error,
+    send_json,
+)
+
+log = logging.getLogger("lowwater.shards")
+
+DTYPE_HEADER = "x-lowwater-dtype"
+SHAPE_HEADER = "x-lowwater-shape"
+#: Largest single request body the shard endpoints accept (bytes).
+MAX_BODY_BYTES = 1 << 31
+_HEADER_LEN = struct.Struct("<I")
+
+
+class ShardMissing(LowwaterError):
+    """The owner does not hold some requested shards; ``missing`` lists their ids."""
+
+    def __init__(self, owner: str, missing: list[str]) -> None:
+        super().__init__(f"owner {owner} does not hold {len(missing)} shard(s): {missing[:10]}")
+        self.owner = owner
+        self.missing = missing
+
+
+class ShardFetchError(LowwaterError):
+    """An owner could not be reached, or answered with an error, after retries."""
+
+
+@attrs.frozen
+class ShardRef:
+    """A lightweight reference to one shard held by its owner.
+
+    Attributes:
+        shard_id: the shard's id, unique within a step.
+        owner: ``host:port`` of the owner's shard store.
+        dtype: numpy-style element type name (``"int64"``, ``"float32"``, ...).
+        shape: dimensions; ``prod(shape) * itemsize(dtype) == nbytes``.
+        nbytes: payload size in bytes.
+    """
+
+    shard_id: str
+    owner: str
+    dtype: str
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    nbytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shard_id": self.shard_id, "owner": self.owner, "dtype": self.dtype, "shape": list(self.shape), "nbytes": self.nbytes}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ShardRef:
+        return cls(d["shard_id"], d["owner"], d["dtype"], tuple(d["shape"]), d["nbytes"])
+
+
+def _shape_header(shape: Iterable[int]) -> str:
+    return ",".join(str(int(d)) for d in shape)
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(d) for d in text.split(",")) if text else ()
+    except ValueError:
+        raise HTTPError(400, f"{SHAPE_HEADER} must be comma-separated ints, got {text!r}") from None
+
+
+def encode_batch_header(views: Sequence[ShardView]) -> bytes:
+    header = orjson.dumps([{"id": v.shard_id, "dtype": v.dtype, "shape": list(v.shape), "nbytes": v.nbytes} for v in views])
+    return _HEADER_LEN.pack(len(header)) + header
+
+
+def decode_batch(body: bytes) -> list[tuple[dict[str, Any], memoryview]]:
+    """Split a framed batch body into ``(meta, payload view)`` pairs (no copies)."""
+    mv = memoryview(body)
+    if len(mv) < _HEADER_LEN.size:
+        raise ShardFetchError("truncated batch response")
+    (n,) = _HEADER_LEN.unpack_from(mv)
+    metas = orjson.loads(mv[_HEADER_LEN.size : _HEADER_LEN.size + n])
+    offset = _HEADER_LEN.size + n
+    out = []
+    for meta in metas:
+        end = offset + meta["nbytes"]
+        if end > len(mv):
+            raise ShardFetchError("truncated batch response")
+        out.append((meta, mv[offset:end]))
+        offset = end
+    return out
+
+
+class ShardStore:
+    """The owner side: shards this process produced, served to consumers.
+
+    Args:
+        capacity_bytes: bound on held payload bytes (``None``: unbounded);
+            a put over it raises :class:`~lowwater.BufferFull`.
+        address: ``host:port`` written into references; :meth:`serve` sets it.
+    """
+
+    def __init__(self, capacity_bytes: int | None = None, address: str = "") -> None:
+        self.buffer = FetchBuffer(capacity_bytes)
+        self.address = address
+
+    def put(self, shard_id: str, data: Any, *, dtype: str, shape: Sequence[int]) -> ShardRef:
+        """Copy ``data`` in and return its reference.  Raises as :meth:`FetchBuffer.put`."""
+        self.buffer.put(shard_id, data, dtype=dtype, shape=tuple(shape), owner=self.address)
+        return ShardRef(shard_id, self.address, dtype, tuple(shape), math.prod(shape) * DTYPES[dtype])
+
+    def remove(self, shard_ids: Iterable[str]) -> int:
+        """Remove the given shards (unknown ids skipped); returns how many were removed."""
+        return self.buffer.clear(list(shard_ids))
+
+    def stats(self) -> dict[str, int]:
+        return self.buffer.stats()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI app serving the shard endpoints."""
+        if scope["type"] == "lifespan":
+            return await lifespan(receive, send)
+        if scope["type"] != "http":
+            return
+        try:
+            await self._route(scope, receive, send)
+        except HTTPError as err:
+            await send_error(send, err)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method, path = scope["method"], scope["path"]
+        if path == "/shards/stats" and method == "GET":
+            return await send_json(send, 200, self.stats())
+        if path == "/shards/batch" and method == "POST":
+            ids = id_list(parse_json(await read_body(receive, 16 << 20)))
+            return await self._send_batch(send, ids)
+        if path == "/shards" and method == "DELETE":
+            ids = id_list(parse_json(await read_body(receive, 16 << 20)))
+            removed = await trio.to_thread.run_sync(self.remove, ids)
+            return await send_json(send, 200, {"removed": removed, "stats": self.stats()})
+        if path.startswith("/shards/") and method in ("GET", "PUT"):
+            shard_id = unquote(path[len("/shards/") :])
+            if not shard_id:
+                raise HTTPError(404, "no shard id in the path")
+            if method == "GET":
+                return await self._send_one(send, shard_id)
+            return await self._receive_one(scope, receive, send, shard_id)
+        raise HTTPError(404, f"no endpoint {method} {path}")
+
+    async def _send_one(self, send: Send, shard_id: str) -> None:
+        view = self.buffer.get(shard_id)
+        if view is None:
+            raise HTTPError(404, f"shard {shard_id!r} is not held here", missing=[shard_id])
+        headers = [(DTYPE_HEADER, view.dtype), (SHAPE_HEADER, _shape_header(view.shape))]
+        await send_bytes(send, 200, memoryview(view), "application/octet-stream", headers)
+
+    async def _receive_one(self, scope: Scope, receive: Receive, send: Send, shard_id: str) -> None:
+        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        dtype = headers.get(DTYPE_HEADER)
+        if not dtype:
+            raise HTTPError(400, f"missing header {DTYPE_HEADER}")
+        shape = _parse_shape(headers.get(SHAPE_HEADER, ""))
+        body = await read_body(receive, MAX_BODY_BYTES)
+        try:
+            # The copy into the table releases the GIL for large payloads.
+            ref = await trio.to_thread.run_sync(lambda: self.put(shard_id, body, dtype=dtype, shape=shape))
+        except ValueError as exc:
+            raise HTTPError(400, str(exc)) from None
+        except BufferFull as exc:
+            raise HTTPError(507, str(exc)) from None
+        await send_json(send, 201, ref.to_json())
+
+    async def _send_batch(self, send: Send, ids: list[str]) -> None:
+        views = [self.buffer.get(i) for i in ids]
+        missing = [i for i, v in zip(ids, views) if v is None]
+        if missing:
+            raise HTTPError(400, f"{len(missing)} shard(s) not held here", missing=missing)
+        present = [v for v in views if v is not None]
+        header = encode_batch_header(present)
+        total = len(header) + sum(v.nbytes for v in present)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/octet-stream"), (b"content-length", str(total).encode())],
+            }
+        )
+        # One body message per shard, each a zero-copy view of the payload:
+        # the response is never assembled in one buffer here.
+        await send({"type": "http.response.body", "body": header, "more_body": bool(present)})
+        for n, view in enumerate(present):
+            await send({"type": "http.response.body", "body": memoryview(view), "more_body": n + 1 < len(present)})
+
+
+@attrs.define
+class RetryPolicy:
+    """Retries of connection errors: ``attempts`` tries, jittered exponential backoff (seconds)."""
+
+    attempts: int = 4
+    base_delay_s: float = 0.05
+    max_delay_s: float = 2.0
+
+    def delay_s(self, attempt: int) -> float:
+        # Full jitter (AWS architecture blog, "Exponential Backoff and Jitter"):
+        # consumers retrying one restarted owner must not retry in lockstep.
+        return random.uniform(0, min(self.max_delay_s, self.base_delay_s * 2**attempt))
+
+
+_RETRYABLE = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.PoolTimeout)
+
+
+class ShardConsumer:
+    """A consumer's side: resolves references into its own fetch buffer, drains on request.
+
+    Args:
+        client: the ``httpx.AsyncClient`` used to reach owners (caller-owned).
+        buffer: the fetch buffer to fill (a new unbounded one by default).
+        chunk_size: ids per ``POST /shards/batch`` request.
+        max_concurrency: batch requests in flight at once.
+        retry: policy for connection errors.
+    """
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        buffer: FetchBuffer | None = None,
+        *,
+        chunk_size: int = 64,
+        max_concurrency: int = 8,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        if chunk_size < 1 or max_concurrency < 1:
+            raise ValueError("chunk_size and max_concurrency must be >= 1")
+        self.client = client
+        self.buffer = buffer if buffer is not None else FetchBuffer()
+        self.chunk_size = chunk_size
+        self.limiter = trio.CapacityLimiter(max_concurrency)
+        self.retry = retry or RetryPolicy()
+
+    async def fetch(self, refs: Sequence[ShardRef]) -> list[ShardView]:
+        """Views of ``refs``, in order: local hits first, misses fetched from their owners.
+
+        Raises:
+            ShardMissing: an owner does not hold a requested shard.
+            ShardFetchError: an owner stayed unreachable or answered with an error.
+        """
+        misses: dict[str, list[str]] = {}
+        for ref in refs:
+            if ref.shard_id not in self.buffer:
+                ids = misses.setdefault(ref.owner, [])
+                if ref.shard_id not in ids:
+                    ids.append(ref.shard_id)
+        if misses:
+            try:
+                async with trio.open_nursery() as nursery:
+                    for owner, ids in misses.items():
+                        for start in range(0, len(ids), self.chunk_size):
+                            nursery.start_soon(self._fetch_chunk, owner, ids[start : start + self.chunk_size])
+            except BaseExceptionGroup as group:
+                raise _one_error(group) from None
+        views = []
+        for ref in refs:
+            view = self.buffer.get(ref.shard_id)
+            if view is None:
+                # Drained concurrently between the fetch and this read.
+                raise ShardFetchError(f"shard {ref.shard_id!r} was drained while being fetched")
+            views.append(view)
+        return views
+
+    async def _fetch_chunk(self, owner: str, ids: list[str]) -> None:
+        async with self.limiter:
+            body = await self._post_batch(owner, ids)
+        # Parse and copy into the table outside the limiter: no slot is held
+        # while this process works, and the response is released right after.
+        for meta, payload in decode_batch(body):
+            self.buffer.put(meta["id"], payload, dtype=meta["dtype"], shape=tuple(meta["shape"]), owner=owner)
+        del body
+
+    async def _post_batch(self, owner: str, ids: list[str]) -> bytes:
+        url = f"http://{owner}/shards/batch"
+        for attempt in range(self.retry.attempts):
+            try:
+                response = await self.client.post(url, content=orjson.dumps({"ids": ids}))
+            except _RETRYABLE as exc:
+                if attempt + 1 == self.retry.attempts:
+                    raise ShardFetchError(f"owner {owner} unreachable after {attempt + 1} attempts: {exc!r}") from exc
+                await trio.sleep(self.retry.delay_s(attempt))
+                continue
+            if response.status_code == 400:
+                missing = _json_or_empty(response).get("missing")
+                if missing:
+                    raise ShardMissing(owner, missing)
+            if response.status_code != 200:
+                raise ShardFetchError(f"owner {owner} answered {response.status_code}: {response.text[:200]}")
+            return response.content
+        raise AssertionError("unreachable")
+
+    def drain(self, shard_ids: Sequence[str] | None) -> dict[str, Any]:
+        """Remove exactly ``shard_ids`` from the buffer; returns ``{"removed", "stats"}``.
+
+        ``None`` or an empty list is a no-op (it must not flush: a consumer
+        told nothing must keep what other steps still need).
+        """
+        removed = self.buffer.clear(list(shard_ids)) if shard_ids else 0
+        return {"removed": removed, "stats": self.buffer.stats()}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI app of the consumer's drain endpoints."""
+        if scope["type"] == "lifespan":
+            return await lifespan(receive, send)
+        if scope["type"] != "http":
+            return
+        try:
+            method, path = scope["method"], scope["path"]
+            if path == "/buffer/drain" and method == "POST":
+                ids = id_list(parse_json(await read_body(receive, 64 << 20)))
+                result = await trio.to_thread.run_sync(self.drain, ids)
+                return await send_json(send, 200, result)
+            if path == "/buffer/stats" and method == "GET":
+                return await send_json(send, 200, self.buffer.stats())
+            raise HTTPError(404, f"no endpoint {method} {path}")
+        except HTTPError as err:
+            await send_error(send, err)
+
+
+def _one_error(group: BaseExceptionGroup) -> BaseException:
+    """The error a caller of :meth:`ShardConsumer.fetch` sees for a failed nursery.
+
+    Chunks fail independently; callers want one named error, not a group:
+    every missing id merged into one :class:`ShardMissing`, else the first
+    :class:`ShardFetchError`, else the group itself (a bug, or cancellation).
+    """
+    leaves = _leaves(group)
+    if all(isinstance(e, ShardMissing) for e in leaves):
+        owners = sorted({e.owner for e in leaves})
+        return ShardMissing(", ".join(owners), [m for e in leaves for m in e.missing])
+    if all(isinstance(e, (ShardMissing, ShardFetchError)) for e in leaves):
+        return next(e for e in leaves if isinstance(e, ShardFetchError))
+    return group
+
+
+def _leaves(group: BaseExceptionGroup) -> list:
+    out = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
+def _json_or_empty(response: httpx.Response) -> dict[str, Any]:
+    try:
+        data = response.json()
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+@attrs.frozen
+class DrainReport:
+    """What :func:`clear_batch` did: owners' removals and each consumer's stats after the drain."""
+
+    ids: tuple[str, ...]
+    owners_removed: dict[str, int]
+    consumers: dict[str, dict[str, Any] | None]
+
+    @property
+    def leaked_bytes(self) -> int:
+        """Bytes still held by consumers after the drain (0 when the step is released)."""
+        return sum((c or {}).get("stats", {}).get("bytes", 0) for c in self.consumers.values())
+
+
+async def clear_batch(
+    refs_or_ids: Iterable[ShardRef | str],
+    *,
+    client: httpx.AsyncClient,
+    consumers: Iterable[str],
+    owners: Iterable[str] = (),
+    local: ShardStore | None = None,
+) -> DrainReport:
+    """Release one step's shards everywhere.
+
+    The owners (those named by the references, plus ``owners``, plus ``local``)
+    remove their copies; then every consumer in ``consumers`` (``host:port``)
+    drains exactly those ids.  The fan-out carries a flat list of id strings,
+    never the references (which a consumer would resolve again on arrival).
+    A consumer whose buffer is not empty afterwards is logged as a warning with
+    its size in bytes; a consumer that cannot be reached is logged too, and
+    never raises: a failing stats call must not break training.
+    """
+    ids: list[str] = []
+    owner_set = set(owners)
+    for item in refs_or_ids:
+        if isinstance(item, ShardRef):
+            ids.append(item.shard_id)
+            owner_set.add(item.owner)
+        else:
+            ids.append(item)
+    owners_removed: dict[str, int] = {}
+    if local is not None:
+        owners_removed[local.address or "local"] = await trio.to_thread.run_sync(local.remove, ids)
+        owner_set.discard(local.address)
+    consumer_list = list(consumers)
+    results: dict[str, dict[str, Any] | None] = {}
+    payload = orjson.dumps({"ids": ids})
+
+    async def to_owner(owner: str) -> None:
+        try:
+            r = await client.request("DELETE", f"http://{owner}/shards", content=payload)
+            r.raise_for_status()
+            owners_removed[owner] = r.json()["removed"]
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            log.warning("shard owner %s did not confirm removal of %d shards: %r", owner, len(ids), exc)
+
+    async def to_consumer(consumer: str) -> None:
+        try:
+            r = await client.post(f"http://{consumer}/buffer/drain", content=payload)
+            r.raise_for_status()
+            results[consumer] = r.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            log.warning("consumer %s did not report its fetch buffer after the drain: %r", consumer, exc)
+            results[consumer] = None
+            return
+        stats = results[consumer]["stats"]
+        if stats.get("entries"):
+            log.warning(
+                "consumer %s still holds %d shards (%d bytes) after the step's drain: a fetch-buffer leak",
+                consumer, stats["entries"], stats["bytes"],
+            )
+
+    async with trio.open_nursery() as nursery:
+        for owner in owner_set:
+            nursery.start_soon(to_owner, owner)
+        for consumer in consumer_list:
+            nursery.start_soon(to_consumer, consumer)
+    return DrainReport(tuple(ids), owners_removed, results)
