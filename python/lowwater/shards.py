@@ -30,7 +30,7 @@ import logging
 import math
 import random
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -41,6 +41,7 @@ import trio
 
 from lowwater import BufferFull, FetchBuffer, LowwaterError, ShardView
 from lowwater._native import DTYPES
+from lowwater.memory import Trimmer
 from lowwater.asgi import (
     HTTPError,
     Receive,
@@ -62,6 +63,8 @@ SHAPE_HEADER = "x-lowwater-shape"
 #: Largest single request body the shard endpoints accept (bytes).
 MAX_BODY_BYTES = 1 << 31
 _HEADER_LEN = struct.Struct("<I")
+#: mmap threshold (bytes) of a consumer's default fetch buffer.
+CONSUMER_MMAP_THRESHOLD = 64 * 1024
 
 
 class ShardMissing(LowwaterError):
@@ -119,21 +122,73 @@ def encode_batch_header(views: Sequence[ShardView]) -> bytes:
     return _HEADER_LEN.pack(len(header)) + header
 
 
-def decode_batch(body: bytes) -> list[tuple[dict[str, Any], memoryview]]:
-    """Split a framed batch body into ``(meta, payload view)`` pairs (no copies)."""
-    mv = memoryview(body)
-    if len(mv) < _HEADER_LEN.size:
-        raise ShardFetchError("truncated batch response")
-    (n,) = _HEADER_LEN.unpack_from(mv)
-    metas = orjson.loads(mv[_HEADER_LEN.size : _HEADER_LEN.size + n])
-    offset = _HEADER_LEN.size + n
-    out = []
-    for meta in metas:
-        end = offset + meta["nbytes"]
-        if end > len(mv):
+class BatchReader:
+    """Incremental parser of a framed batch body: feed chunks, get shards as they complete.
+
+    Holds at most one shard's payload (plus the header) at a time.
+    """
+
+    def __init__(self) -> None:
+        self._pending = bytearray()
+        self._metas: list[dict[str, Any]] | None = None
+        self._next = 0
+        self._payload: bytearray | None = None
+        self._filled = 0
+
+    def feed(self, chunk: bytes) -> list[tuple[dict[str, Any], bytearray]]:
+        out: list[tuple[dict[str, Any], bytearray]] = []
+        view = memoryview(chunk)
+        while view:
+            if self._metas is None:
+                self._pending += view
+                view = view[len(view) :]
+                if len(self._pending) < _HEADER_LEN.size:
+                    break
+                (n,) = _HEADER_LEN.unpack_from(self._pending)
+                if len(self._pending) < _HEADER_LEN.size + n:
+                    break
+                self._metas = orjson.loads(bytes(self._pending[_HEADER_LEN.size : _HEADER_LEN.size + n]))
+                view = memoryview(bytes(self._pending[_HEADER_LEN.size + n :]))
+                self._pending = bytearray()
+                out.extend(self._complete_empty())
+                continue
+            if self._next >= len(self._metas):
+                raise ShardFetchError("batch response is longer than its header says")
+            meta = self._metas[self._next]
+            if self._payload is None:
+                self._payload = bytearray(meta["nbytes"])
+                self._filled = 0
+            take = min(len(view), meta["nbytes"] - self._filled)
+            self._payload[self._filled : self._filled + take] = view[:take]
+            self._filled += take
+            view = view[take:]
+            if self._filled == meta["nbytes"]:
+                out.append((meta, self._payload))
+                self._payload = None
+                self._next += 1
+                out.extend(self._complete_empty())
+        return out
+
+    def _complete_empty(self) -> list[tuple[dict[str, Any], bytearray]]:
+        # Zero-byte shards complete without any payload bytes arriving.
+        out = []
+        assert self._metas is not None
+        while self._next < len(self._metas) and self._metas[self._next]["nbytes"] == 0 and self._payload is None:
+            out.append((self._metas[self._next], bytearray()))
+            self._next += 1
+        return out
+
+    def close(self) -> None:
+        """Raise :class:`ShardFetchError` unless every announced shard arrived."""
+        if self._metas is None or self._next != len(self._metas):
             raise ShardFetchError("truncated batch response")
-        out.append((meta, mv[offset:end]))
-        offset = end
+
+
+def decode_batch(body: bytes) -> list[tuple[dict[str, Any], bytearray]]:
+    """Split a whole framed batch body into ``(meta, payload)`` pairs."""
+    reader = BatchReader()
+    out = reader.feed(body)
+    reader.close()
     return out
 
 
@@ -252,6 +307,8 @@ class RetryPolicy:
         return random.uniform(0, min(self.max_delay_s, self.base_delay_s * 2**attempt))
 
 
+_DEFAULT_TRIM: Any = object()
+
 _RETRYABLE = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.PoolTimeout)
 
 
@@ -264,6 +321,11 @@ class ShardConsumer:
         chunk_size: ids per ``POST /shards/batch`` request.
         max_concurrency: batch requests in flight at once.
         retry: policy for connection errors.
+        trim: called after a drain that removed something (in the drain's
+            worker thread): by default a rate-limited guarded ``malloc_trim``,
+            since the step's transient response bodies otherwise stay in
+            glibc's heap (a 25 MB RSS sawtooth per consumer in
+            benches/trainer_steps.py).  ``None`` disables it.
     """
 
     def __init__(
@@ -274,14 +336,20 @@ class ShardConsumer:
         chunk_size: int = 64,
         max_concurrency: int = 8,
         retry: RetryPolicy | None = None,
+        trim: Callable[[], object] | None = _DEFAULT_TRIM,
     ) -> None:
         if chunk_size < 1 or max_concurrency < 1:
             raise ValueError("chunk_size and max_concurrency must be >= 1")
         self.client = client
-        self.buffer = buffer if buffer is not None else FetchBuffer()
+        # Consumer buffers turn over every step: payloads of 64 KiB and more get
+        # their own mapping, so a drain gives their pages back at once instead
+        # of leaving them to glibc's heap (benches/trainer_steps.py showed a
+        # 1-step-per-step RSS sawtooth with the 1 MiB default).
+        self.buffer = buffer if buffer is not None else FetchBuffer(mmap_threshold=CONSUMER_MMAP_THRESHOLD)
         self.chunk_size = chunk_size
         self.limiter = trio.CapacityLimiter(max_concurrency)
         self.retry = retry or RetryPolicy()
+        self.trim = Trimmer() if trim is _DEFAULT_TRIM else trim
 
     async def fetch(self, refs: Sequence[ShardRef]) -> list[ShardView]:
         """Views of ``refs``, in order: local hits first, misses fetched from their owners.
@@ -314,40 +382,47 @@ class ShardConsumer:
         return views
 
     async def _fetch_chunk(self, owner: str, ids: list[str]) -> None:
-        async with self.limiter:
-            body = await self._post_batch(owner, ids)
-        # Parse and copy into the table outside the limiter: no slot is held
-        # while this process works, and the response is released right after.
-        for meta, payload in decode_batch(body):
-            self.buffer.put(meta["id"], payload, dtype=meta["dtype"], shape=tuple(meta["shape"]), owner=owner)
-        del body
-
-    async def _post_batch(self, owner: str, ids: list[str]) -> bytes:
         url = f"http://{owner}/shards/batch"
+        request = orjson.dumps({"ids": ids})
         for attempt in range(self.retry.attempts):
             try:
-                response = await self.client.post(url, content=orjson.dumps({"ids": ids}))
+                async with self.limiter:
+                    await self._stream_batch(owner, url, request)
+                return
             except _RETRYABLE as exc:
+                # A cut stream is retried whole: re-putting a shard replaces it.
                 if attempt + 1 == self.retry.attempts:
                     raise ShardFetchError(f"owner {owner} unreachable after {attempt + 1} attempts: {exc!r}") from exc
                 await trio.sleep(self.retry.delay_s(attempt))
-                continue
-            if response.status_code == 400:
-                missing = _json_or_empty(response).get("missing")
-                if missing:
-                    raise ShardMissing(owner, missing)
+
+    async def _stream_batch(self, owner: str, url: str, request: bytes) -> None:
+        # Streamed, never ``response.content``: httpx's request/response objects
+        # sit in reference cycles, so a body kept on the response lives until
+        # the cyclic GC runs (a one-step-per-step RSS sawtooth in
+        # benches/trainer_steps.py).  Here only one shard is assembled at a time.
+        async with self.client.stream("POST", url, content=request) as response:
             if response.status_code != 200:
+                await response.aread()
+                if response.status_code == 400 and (missing := _json_or_empty(response).get("missing")):
+                    raise ShardMissing(owner, missing)
                 raise ShardFetchError(f"owner {owner} answered {response.status_code}: {response.text[:200]}")
-            return response.content
-        raise AssertionError("unreachable")
+            reader = BatchReader()
+            async for chunk in response.aiter_raw():
+                for meta, payload in reader.feed(chunk):
+                    self.buffer.put(meta["id"], payload, dtype=meta["dtype"], shape=tuple(meta["shape"]), owner=owner)
+            reader.close()
 
     def drain(self, shard_ids: Sequence[str] | None) -> dict[str, Any]:
         """Remove exactly ``shard_ids`` from the buffer; returns ``{"removed", "stats"}``.
 
         ``None`` or an empty list is a no-op (it must not flush: a consumer
-        told nothing must keep what other steps still need).
+        told nothing must keep what other steps still need).  Blocking (it
+        frees payloads and may trim the heap): the drain endpoint runs it in a
+        worker thread; do the same when calling it from a Trio task.
         """
         removed = self.buffer.clear(list(shard_ids)) if shard_ids else 0
+        if removed and self.trim is not None:
+            self.trim()
         return {"removed": removed, "stats": self.buffer.stats()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -10,12 +11,16 @@ from pathlib import Path
 import httpx
 import numpy as np
 import orjson
+import hypothesis.strategies as st
 import pytest
 import trio
+from hypothesis import given, settings
 
 from lowwater.asgi import serve
 from lowwater.shards import (
+    BatchReader,
     ShardConsumer,
+    ShardFetchError,
     ShardMissing,
     ShardRef,
     ShardStore,
@@ -172,3 +177,37 @@ def test_leak_and_unreachable_consumer_are_warnings_not_errors(caplog):
             nursery.cancel_scope.cancel()
 
     trio.run(_with_owner, body)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([0, 1, 7, 64, 1000]), max_size=6),
+    cuts=st.lists(st.integers(1, 300), max_size=30),
+)
+def test_batch_reader_reassembles_any_chunking(sizes, cuts):
+    """Shards arrive whole and in order however the stream is cut."""
+    payloads = [bytes((i * 7 + j) % 251 for j in range(n)) for i, n in enumerate(sizes)]
+    metas = [{"id": f"s{i}", "dtype": "uint8", "shape": [n], "nbytes": n} for i, n in enumerate(sizes)]
+    header = orjson.dumps(metas)
+    body = struct.pack("<I", len(header)) + header + b"".join(payloads)
+    reader = BatchReader()
+    got, pos = [], 0
+    for cut in cuts + [len(body)]:
+        got.extend(reader.feed(body[pos : pos + cut]))
+        pos += cut
+        if pos >= len(body):
+            break
+    reader.close()
+    assert [(m["id"], bytes(p)) for m, p in got] == [(m["id"], p) for m, p in zip(metas, payloads)]
+
+
+def test_batch_reader_refuses_truncation_and_overrun():
+    header = orjson.dumps([{"id": "a", "dtype": "uint8", "shape": [4], "nbytes": 4}])
+    body = struct.pack("<I", len(header)) + header + b"abcd"
+    reader = BatchReader()
+    reader.feed(body[:-1])
+    with pytest.raises(ShardFetchError, match="truncated"):
+        reader.close()
+    reader = BatchReader()
+    with pytest.raises(ShardFetchError, match="longer"):
+        reader.feed(body + b"x")
