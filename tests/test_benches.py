@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 BENCHES = Path(__file__).resolve().parent.parent / "benches"
-UNIT_SUFFIXES = ("_bytes", "_mb", "_s", "_ms", "_us", "_per_s", "_ratio", "_count")
+UNIT_SUFFIXES = ("_bytes", "_mb", "_s", "_ms", "_us", "_per_s", "_ratio", "_count", "_bytes_per_step", "_bytes_per_rollout")
 
 
 def run_quick(name: str) -> dict:
