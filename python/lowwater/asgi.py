@@ -94,6 +94,18 @@ async def lifespan(receive: Receive, send: Send) -> None:
             return
 
 
+async def handle(scope: Scope, receive: Receive, send: Send, route: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+    """Run ``route`` for an HTTP request; answer lifespan; turn :class:`HTTPError` into its response."""
+    if scope["type"] == "lifespan":
+        return await lifespan(receive, send)
+    if scope["type"] != "http":
+        return
+    try:
+        await route(scope, receive, send)
+    except HTTPError as err:
+        await send_error(send, err)
+
+
 async def serve(
     app: Callable[[Scope, Receive, Send], Awaitable[None]],
     host: str = "127.0.0.1",

@@ -47,12 +47,11 @@ from lowwater.asgi import (
     Receive,
     Scope,
     Send,
+    handle,
     id_list,
-    lifespan,
     parse_json,
     read_body,
     send_bytes,
-    send_error,
     send_json,
 )
 
@@ -219,14 +218,7 @@ class ShardStore:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI app serving the shard endpoints."""
-        if scope["type"] == "lifespan":
-            return await lifespan(receive, send)
-        if scope["type"] != "http":
-            return
-        try:
-            await self._route(scope, receive, send)
-        except HTTPError as err:
-            await send_error(send, err)
+        await handle(scope, receive, send, self._route)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
@@ -427,21 +419,17 @@ class ShardConsumer:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI app of the consumer's drain endpoints."""
-        if scope["type"] == "lifespan":
-            return await lifespan(receive, send)
-        if scope["type"] != "http":
-            return
-        try:
-            method, path = scope["method"], scope["path"]
-            if path == "/buffer/drain" and method == "POST":
-                ids = id_list(parse_json(await read_body(receive, 64 << 20)))
-                result = await trio.to_thread.run_sync(self.drain, ids)
-                return await send_json(send, 200, result)
-            if path == "/buffer/stats" and method == "GET":
-                return await send_json(send, 200, self.buffer.stats())
-            raise HTTPError(404, f"no endpoint {method} {path}")
-        except HTTPError as err:
-            await send_error(send, err)
+        await handle(scope, receive, send, self._route)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method, path = scope["method"], scope["path"]
+        if path == "/buffer/drain" and method == "POST":
+            ids = id_list(parse_json(await read_body(receive, 64 << 20)))
+            result = await trio.to_thread.run_sync(self.drain, ids)
+            return await send_json(send, 200, result)
+        if path == "/buffer/stats" and method == "GET":
+            return await send_json(send, 200, self.buffer.stats())
+        raise HTTPError(404, f"no endpoint {method} {path}")
 
 
 def _one_error(group: BaseExceptionGroup) -> BaseException:
