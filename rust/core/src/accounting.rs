@@ -4,6 +4,11 @@
 //! refused without allocating, and released by whoever takes the payload out
 //! of its slot (exactly one caller).  Counters are exact once concurrent
 //! callers have returned; while a put runs, `bytes` includes its reservation.
+//!
+//! A replacing put is admitted against the size it replaces.  If another
+//! thread removes that same id between the admission and the insert, and a
+//! third put takes the freed room, `bytes` can exceed the capacity by at most
+//! the replaced size until the next removal (three-way race on one id).
 
 use std::sync::Arc;
 
@@ -52,13 +57,20 @@ impl Accounting {
                 }
             }
             match self.bytes.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => {
-                    self.bump_peak(next);
-                    return Ok(());
-                }
+                Ok(_) => return Ok(()),
                 Err(actual) => cur = actual,
             }
         }
+    }
+
+    /// A put finished (and released what it replaced): record the peak.
+    ///
+    /// The peak is the largest `bytes` seen after a completed insert, so a
+    /// refused or failed reservation, and the moment during a replacement when
+    /// both payloads are counted, do not raise it.  Under concurrency the
+    /// reading may include other puts' reservations in progress.
+    pub(crate) fn settled(&self) {
+        self.bump_peak(self.bytes.load(Ordering::Acquire));
     }
 
     fn bump_peak(&self, candidate: u64) {

@@ -115,6 +115,7 @@ impl FetchBuffer {
             self.acct.released(old.payload.len() as u64);
             self.removals.fetch_add(1, Ordering::Relaxed);
         }
+        self.acct.settled();
         Ok(())
     }
 

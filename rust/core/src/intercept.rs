@@ -22,6 +22,8 @@ use crate::sync::{fence, AtomicBool, AtomicU64, Map, Ordering, Slot};
 /// One intercepted model call.
 pub struct Intercept {
     pub request_id: Arc<str>,
+    /// Unique per insert into this table.
+    pub seq: u64,
     pub rollout_id: Arc<str>,
     pub protocol: Box<str>,
     pub stream: bool,
@@ -38,7 +40,10 @@ impl Intercept {
 
 struct Rollout {
     closed: AtomicBool,
-    requests: Map<Arc<str>, ()>,
+    /// Request id -> the insert sequence number of the intercept it names,
+    /// so a discard removes its own id and not that of a re-insert of the
+    /// same id that landed between its two steps.
+    requests: Map<Arc<str>, u64>,
 }
 
 /// Exact counters of an [`InterceptTable`].
@@ -65,6 +70,7 @@ pub struct InterceptTable {
     open_rollouts: AtomicU64,
     discards: AtomicU64,
     swept: AtomicU64,
+    next_seq: AtomicU64,
 }
 
 impl InterceptTable {
@@ -77,6 +83,7 @@ impl InterceptTable {
             open_rollouts: AtomicU64::new(0),
             discards: AtomicU64::new(0),
             swept: AtomicU64::new(0),
+            next_seq: AtomicU64::new(0),
         }
     }
 
@@ -177,8 +184,10 @@ impl InterceptTable {
             }
         };
         let key: Arc<str> = Arc::from(request_id);
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         let intercept = Arc::new(Intercept {
             request_id: Arc::clone(&key),
+            seq,
             rollout_id: Arc::from(rollout_id),
             protocol: protocol.into(),
             stream,
@@ -190,7 +199,7 @@ impl InterceptTable {
                 return Err(duplicate());
             }
             self.acct.committed();
-            rollout.requests.insert_with(Arc::clone(&key), (), |_| ());
+            rollout.requests.insert_with(Arc::clone(&key), seq, |_| ());
             fence(Ordering::SeqCst);
             if rollout.closed.load(Ordering::SeqCst) {
                 // The close may or may not have seen our id: remove our own
@@ -201,7 +210,10 @@ impl InterceptTable {
             Ok(())
         });
         match outcome {
-            Some(Ok(())) => Ok(()),
+            Some(Ok(())) => {
+                self.acct.settled();
+                Ok(())
+            }
             Some(Err(e @ TableError::Duplicate { .. })) => {
                 self.acct.unreserve(n);
                 Err(e)
@@ -228,7 +240,7 @@ impl InterceptTable {
         self.discards.fetch_add(1, Ordering::Relaxed);
         // Keep the rollout's request set from growing with delivered calls.
         self.rollouts.get_with(&*intercept.rollout_id, |rollout| {
-            rollout.requests.remove_with(request_id, |_| ());
+            rollout.requests.remove_if_with(request_id, |_, seq| *seq == intercept.seq, |_| ());
         });
         true
     }

@@ -53,8 +53,11 @@ impl Payload {
                 reason: e.to_string(),
             })?)
         } else {
-            // One pass: reserve exactly, then copy (no zero-fill first).
-            let mut v = Vec::with_capacity(src.len());
+            // One pass: reserve exactly, then copy (no zero-fill first).  A
+            // fallible reserve: `Vec::with_capacity` aborts the whole process
+            // when the allocator refuses (found by tests/native/test_alloc_failure.py).
+            let mut v = Vec::new();
+            v.try_reserve_exact(src.len()).map_err(|e| TableError::Alloc { bytes: src.len(), reason: e.to_string() })?;
             v.extend_from_slice(src);
             Storage::Heap(v.into_boxed_slice())
         };

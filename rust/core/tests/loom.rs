@@ -120,3 +120,27 @@ fn discard_racing_close_removes_once() {
         assert_eq!((st.entries, st.bytes, st.discards + st.swept), (0, 0, 1));
     });
 }
+
+/// Discard against a re-insert of the same id: the discard must not untrack
+/// the new intercept, or the rollout's close would leave it behind.
+#[test]
+fn discard_racing_reinsert_keeps_new_intercept_tracked() {
+    loom::model(|| {
+        let t = Arc::new(InterceptTable::new(None, 1 << 20));
+        t.open_rollout("r");
+        t.insert("q", "r", b"old", "chat", false).unwrap();
+        let discarder = {
+            let t = Arc::clone(&t);
+            thread::spawn(move || t.discard("q"))
+        };
+        let reinserter = {
+            let t = Arc::clone(&t);
+            thread::spawn(move || t.insert("q", "r", b"new", "chat", false))
+        };
+        assert!(discarder.join().unwrap());
+        let reinserted = reinserter.join().unwrap();
+        let swept = t.close_rollout("r");
+        assert_eq!(swept.len(), reinserted.is_ok() as usize, "close must sweep a live re-insert");
+        assert!(t.is_empty(), "an intercept outlived its rollout's close");
+    });
+}

@@ -55,7 +55,7 @@ proptest! {
                             prop_assert!(used + len as u64 - old <= CAPACITY);
                             inserts += 1;
                             if model.insert(key, data).is_some() { removals += 1; }
-                            peak = peak.max(used + len as u64);
+                            peak = peak.max(used + len as u64 - old);
                         }
                         Err(TableError::Full { .. }) => {
                             prop_assert!(used + len as u64 - old > CAPACITY);

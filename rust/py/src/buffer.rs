@@ -44,7 +44,11 @@ impl Borrowed {
         let contiguous = unsafe { ffi::PyBuffer_IsContiguous(&*me.view, b'C' as std::os::raw::c_char) } != 0;
         if !contiguous {
             let len = usize::try_from(me.view.len).map_err(|_| PyValueError::new_err("negative buffer length"))?;
-            let mut scratch = vec![0u8; len];
+            let mut scratch = Vec::new();
+            scratch
+                .try_reserve_exact(len)
+                .map_err(|e| pyo3::exceptions::PyMemoryError::new_err(format!("could not allocate {len} bytes: {e}")))?;
+            scratch.resize(len, 0);
             // SAFETY: scratch holds exactly view.len bytes.
             let rc = unsafe {
                 ffi::PyBuffer_ToContiguous(scratch.as_mut_ptr() as *mut c_void, &*me.view, me.view.len, b'C' as std::os::raw::c_char)
