@@ -60,6 +60,12 @@ class FetchBuffer:
     """
 
     def __init__(self, capacity_bytes: int | None = None, mmap_threshold: int = 1 << 20) -> None: ...
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The bound given at construction (bytes), or ``None``."""
+    @property
+    def mmap_threshold(self) -> int:
+        """Payloads of at least this many bytes get their own mapping."""
     def put(
         self,
         shard_id: str,
@@ -123,6 +129,12 @@ class InterceptTable:
     """
 
     def __init__(self, capacity_bytes: int | None = None, mmap_threshold: int = 1 << 20) -> None: ...
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The bound given at construction (bytes), or ``None``."""
+    @property
+    def mmap_threshold(self) -> int:
+        """Payloads of at least this many bytes get their own mapping."""
     def open_rollout(self, rollout_id: str) -> None:
         """Start tracking ``rollout_id`` (idempotent)."""
     def close_rollout(self, rollout_id: str) -> list[str]:
