@@ -1,0 +1,145 @@
+"""Every lowwater hook, documented in one place.
+
+lowwater is one pluggy project, ``"lowwater"``, with one entry-point group,
+``lowwater``.  Its own runtime, protocols, environments and cleanup policies
+are ordinary plugins registered through that group (as pytest's built-in
+features are), so plugin discovery runs on every start.
+
+A plugin is a module (or object) with functions decorated by
+:data:`hookimpl` whose names and parameters match the specs below; a plugin
+may accept any subset of a spec's parameters.  ``docs/plugins.md`` is the
+tutorial; ``tests/plugins/test_hookspecs.py`` fails for a spec that is not
+documented there or not tested.
+
+Two kinds of hooks:
+
+* **Registries** (sync): called once when the plugin manager is built; the
+  plugin calls ``register(...)`` for each thing it provides.
+* **Lifecycle hooks** (async): awaited by the engine at a lifecycle point.
+  Every implementation of one point runs concurrently in a Trio nursery; an
+  exception in one is logged with the plugin's name and does not stop the
+  others or the rollout (cleanup must not be skipped because a sibling
+  failed).  A sync implementation of an async spec, or an async
+  implementation of a sync spec, is refused at registration with
+  :class:`lowwater.plugins.PluginError`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Callable
+
+PROJECT = "lowwater"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+#: Decorator for a plugin's hook implementations.
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+#: Names of the specs whose implementations must be ``async def``.
+ASYNC_HOOKS = frozenset({"rollout_start", "rollout_end", "group_end", "step_end", "worker_tick", "shutdown"})
+
+
+# --- registries -------------------------------------------------------------
+
+
+@hookspec
+def register_runtimes(register: Callable[[str, Any], None]) -> None:
+    """Provide runtime factories.
+
+    Call ``register(name, factory)`` for each runtime, where ``factory`` is
+    called as ``factory(config: lowwater.runtime.RuntimeConfig)`` and returns
+    a :class:`lowwater.runtime.Runtime`.  A name registered twice raises
+    :class:`lowwater.plugins.PluginError` naming both plugins.
+    Built in: ``"subprocess"``.
+    """
+
+
+@hookspec
+def register_protocols(register: Callable[[Any], None]) -> None:
+    """Provide wire protocols for the interception server.
+
+    Call ``register(protocol)`` with a
+    :class:`lowwater.interception.protocols.Protocol` instance; its ``name``
+    must be unique and its ``path`` (such as ``"/v1/chat/completions"``)
+    is routed to it.  Built in: ``openai.chat``, ``openai.responses``,
+    ``anthropic.messages``.
+    """
+
+
+@hookspec
+def register_environments(register: Callable[[str, Any], None]) -> None:
+    """Provide environments for ``lowwater eval ENV`` and the embedding API.
+
+    Call ``register(name, factory)`` where ``factory(options: dict[str, Any])``
+    returns a :class:`lowwater.environment.Environment` (taskset, harness,
+    rubric).  Built in: ``"arithmetic"`` (the embedded default).
+    """
+
+
+@hookspec
+def register_cleanup_policies(register: Callable[[str, Any], None]) -> None:
+    """Provide cleanup policies.
+
+    Call ``register(name, policy)`` where ``policy`` is an object whose
+    ``async`` methods named after lifecycle hooks (``rollout_end``,
+    ``group_end``, ``step_end``, ``worker_tick``, ``shutdown``) are awaited at
+    those points with the same keyword arguments as the hooks below.
+    Built in: ``"trajectory-eviction"``, ``"intercept-sweep"``,
+    ``"malloc-trim"``, ``"rss-sampling"``.
+    """
+
+
+# --- lifecycle hooks (async) -------------------------------------------------
+
+
+@hookspec
+async def rollout_start(rollout: Any) -> None:
+    """A rollout has been admitted and opened (runtime taken, slot registered).
+
+    ``rollout`` is the :class:`lowwater.rollout.Rollout`; its ``trajectory``
+    is empty.  Runs before the harness's first turn.
+    """
+
+
+@hookspec
+async def rollout_end(rollout: Any) -> None:
+    """A rollout has ended, on every exit path (success, error, cancellation,
+    deadline), after its own cleanup and after its result row was written.
+
+    ``rollout.error`` is ``None`` or a :class:`lowwater.rollout.RolloutError`.
+    Runs shielded under the cleanup deadline: do not block.
+    """
+
+
+@hookspec
+async def group_end(group: Any) -> None:
+    """Every rollout of a group has ended and the group reward has run.
+
+    ``group`` is the :class:`lowwater.rollout.Group`; its members'
+    trajectories are still readable here and are evicted right after.
+    """
+
+
+@hookspec
+async def step_end(step: int, shard_ids: list[str]) -> None:
+    """A trainer step has ended (embedding API): ``shard_ids`` were cleared.
+
+    Cleanup policies drain per-step state here (fetch buffers, allocator).
+    """
+
+
+@hookspec
+async def worker_tick(stats: dict[str, Any]) -> None:
+    """Periodic tick of an env worker or of the eval process (about once per
+    second).  ``stats`` has ``rss_bytes``, ``in_flight`` (rollouts),
+    ``finished`` (rollouts), and the tables' stats under ``intercepts``.
+    """
+
+
+@hookspec
+async def shutdown() -> None:
+    """The run is ending: tear down pools and release everything held."""

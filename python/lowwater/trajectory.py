@@ -1,0 +1,176 @@
+"""Turns, trajectories and the trajectory registry (group-aware eviction).
+
+A :class:`Trajectory` is the record of one rollout's model calls.  Each
+:class:`Turn` keeps the *message delta* of its request (the messages the
+agent added since the previous call), never a fresh copy of the whole
+history: a 45-turn multimodal rollout whose every turn kept its full prompt
+held every base64 image 45 times over (DESIGN.md section 1, the env-worker
+incident).
+
+The :class:`TrajectoryRegistry` is the one place trajectories live while a
+rollout runs.  Its owner is the rollout engine; its eviction points are
+rollout close (ungrouped rollouts) and group cleanup (grouped ones, so the
+group reward can still read every member after the members' own cleanup).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+
+
+@attrs.define(eq=False, slots=True)
+class Turn:
+    """One model call of a rollout.
+
+    Attributes:
+        index: 0-based position in the trajectory.
+        protocol: the wire protocol of the call: ``"openai.chat"``,
+            ``"openai.responses"`` or ``"anthropic.messages"`` (or a plugin's).
+        model: the model name the agent asked for.
+        request_delta: the request's messages (chat, messages) or input items
+            (responses) added since the previous turn of this trajectory; the
+            whole list only on the first turn or when the agent rewrote its
+            history.  Parsed JSON objects.
+        completion: the assistant's output as the protocol returns it (chat:
+            the ``choices[0].message`` object; messages: the ``content``
+            blocks; responses: the ``output`` items).
+        finish_reason: the upstream's stop reason, if any.
+        usage: the upstream's usage object (token counts), if any.
+        token_ids: completion token ids, when the upstream returned them.
+        logprobs: completion token logprobs (float, natural log), when returned.
+        started_s: wall-clock start of the call (``time.time()``, seconds).
+        duration_s: time from request received to response recorded (seconds).
+        streamed: whether the agent asked for an SSE stream.
+        error: ``None``, or why the call failed (e.g. the upstream stream was cut).
+    """
+
+    index: int
+    protocol: str
+    model: str
+    request_delta: list[Any]
+    completion: Any
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    started_s: float = 0.0
+    duration_s: float = 0.0
+    streamed: bool = False
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """A plain dict for JSON output (orjson-serialisable)."""
+        return attrs.asdict(self, recurse=False)
+
+
+@attrs.define(eq=False, slots=True)
+class Trajectory:
+    """The turns of one rollout.
+
+    Attributes:
+        rollout_id: the rollout's id (unique within a run).
+        task_id: the task's stable id (dataset row index or environment id).
+        group_id: the group's id, or ``None`` for an ungrouped rollout.
+        turns: the recorded turns, in call order.
+        messages_seen: how many request messages earlier turns covered; the
+            next turn's delta starts there.
+    """
+
+    rollout_id: str
+    task_id: str | int = ""
+    group_id: str | None = None
+    turns: list[Turn] = attrs.field(factory=list)
+    messages_seen: int = 0
+
+    def message_delta(self, messages: list[Any]) -> list[Any]:
+        """The part of ``messages`` that earlier turns have not recorded.
+
+        Agents resend the whole history on every call; recording only what is
+        new keeps a trajectory linear in the conversation, not quadratic.  If
+        the history is shorter than what was seen (the agent truncated or
+        rewrote it) the whole list is the delta.
+        """
+        start = self.messages_seen if len(messages) >= self.messages_seen else 0
+        self.messages_seen = len(messages)
+        return messages[start:]
+
+    def add_turn(self, turn: Turn) -> None:
+        self.turns.append(turn)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rollout_id": self.rollout_id,
+            "task_id": self.task_id,
+            "group_id": self.group_id,
+            "turns": [t.to_json() for t in self.turns],
+        }
+
+
+class TrajectoryRegistry:
+    """Live trajectories of a run, keyed by rollout id, with group-aware eviction.
+
+    Owner: the rollout engine.  Eviction: :meth:`close_rollout` drops an
+    ungrouped trajectory at once and keeps a grouped one until
+    :meth:`close_group`, which drops every member.  Both are called from
+    ``finally`` blocks, so success, error, cancellation and deadlines all
+    leave the registry empty once the work ends.
+    """
+
+    def __init__(self) -> None:
+        self._live: dict[str, Trajectory] = {}
+        self._groups: dict[str, set[str]] = {}
+
+    def open(self, rollout_id: str, *, task_id: str | int = "", group_id: str | None = None) -> Trajectory:
+        """Create and hold the trajectory of a new rollout.
+
+        Raises:
+            KeyError: ``rollout_id`` is already live.
+        """
+        if rollout_id in self._live:
+            raise KeyError(f"rollout {rollout_id!r} is already open")
+        trajectory = Trajectory(rollout_id, task_id, group_id)
+        self._live[rollout_id] = trajectory
+        if group_id is not None:
+            self._groups.setdefault(group_id, set()).add(rollout_id)
+        return trajectory
+
+    def get(self, rollout_id: str) -> Trajectory | None:
+        return self._live.get(rollout_id)
+
+    def group(self, group_id: str) -> list[Trajectory]:
+        """The live trajectories of ``group_id`` (order of rollout id)."""
+        return [self._live[r] for r in sorted(self._groups.get(group_id, ())) if r in self._live]
+
+    def close_rollout(self, rollout_id: str) -> bool:
+        """End a rollout: evict it now unless it belongs to a group.  True if evicted."""
+        trajectory = self._live.get(rollout_id)
+        if trajectory is None or trajectory.group_id is not None:
+            return False
+        del self._live[rollout_id]
+        return True
+
+    def close_group(self, group_id: str) -> int:
+        """Evict every member of ``group_id``; returns how many were evicted."""
+        members = self._groups.pop(group_id, set())
+        evicted = 0
+        for rollout_id in members:
+            if self._live.pop(rollout_id, None) is not None:
+                evicted += 1
+        return evicted
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._live))
+
+    def stats(self) -> dict[str, int]:
+        """``trajectories`` (live), ``groups`` (open), ``turns`` (held by live trajectories)."""
+        return {
+            "trajectories": len(self._live),
+            "groups": len(self._groups),
+            "turns": sum(len(t.turns) for t in self._live.values()),
+        }
