@@ -135,8 +135,11 @@ async def step_end(step: int, shard_ids: list[str]) -> None:
 @hookspec
 async def worker_tick(stats: dict[str, Any]) -> None:
     """Periodic tick of an env worker or of the eval process (about once per
-    second).  ``stats`` has ``rss_bytes``, ``in_flight`` (rollouts),
-    ``finished`` (rollouts), and the tables' stats under ``intercepts``.
+    second).  ``stats`` has ``rss_bytes`` (current RSS), ``in_flight`` and
+    ``finished`` (rollouts), ``intercepts`` (the intercept table's stats),
+    and the live objects ``intercept_table``
+    (:class:`lowwater.InterceptTable`) and ``memory_record``
+    (:class:`lowwater.memory.MemoryRecord`) for policies that act on them.
     """
 
 

@@ -84,3 +84,55 @@ class Trimmer:
         fn(0)
         self.calls += 1
         return True
+
+
+class MemoryRecord:
+    """RSS over a run: baseline, peak, resting, and a bounded sample series.
+
+    Samples are ``(elapsed_s, rss_bytes, finished_rollouts)``.  The series
+    is bounded: past ``max_samples`` every other sample is dropped and the
+    sampling stride doubles, so a five-hour run keeps a few kilobytes, not
+    a list that itself grows with the run.  ``peak_bytes`` counts every
+    sample, dropped or not.
+
+    Args:
+        baseline_bytes: RSS before the run started work (default: now).
+        max_samples: upper bound on kept samples (>= 2).
+    """
+
+    def __init__(self, baseline_bytes: int | None = None, max_samples: int = 4096) -> None:
+        if max_samples < 2:
+            raise ValueError("max_samples must be >= 2")
+        self.baseline_bytes = rss_bytes() if baseline_bytes is None else baseline_bytes
+        self.peak_bytes = self.baseline_bytes
+        self.last_bytes = self.baseline_bytes
+        self.max_samples = max_samples
+        self.samples: list[tuple[float, int, int]] = []
+        self._start = time.monotonic()
+        self._stride = 1
+        self._seen = 0
+
+    def add(self, rss: int | None = None, finished: int = 0) -> int:
+        """Record one sample (``rss`` in bytes, default: measure now); returns it."""
+        rss = rss_bytes() if rss is None else rss
+        self.last_bytes = rss
+        self.peak_bytes = max(self.peak_bytes, rss)
+        self._seen += 1
+        if self._seen % self._stride == 0:
+            self.samples.append((time.monotonic() - self._start, rss, finished))
+            if len(self.samples) > self.max_samples:
+                del self.samples[1::2]
+                self._stride *= 2
+        return rss
+
+    def summary(self, resting_bytes: int | None = None) -> dict[str, float]:
+        """``rss_baseline_mb``, ``rss_peak_mb``, ``rss_resting_mb`` (MiB).
+
+        ``resting_bytes`` is RSS after the run's drain (default: the last sample).
+        """
+        resting = self.last_bytes if resting_bytes is None else resting_bytes
+        return {
+            "rss_baseline_mb": round(self.baseline_bytes / MIB, 2),
+            "rss_peak_mb": round(max(self.peak_bytes, resting) / MIB, 2),
+            "rss_resting_mb": round(resting / MIB, 2),
+        }

@@ -152,6 +152,18 @@ class TrajectoryRegistry:
         del self._live[rollout_id]
         return True
 
+    def discard(self, rollout_id: str) -> bool:
+        """Evict ``rollout_id`` now, grouped or not (a retried attempt's old
+        trajectory, or an engine forcing eviction).  True if it was live."""
+        trajectory = self._live.pop(rollout_id, None)
+        if trajectory is None:
+            return False
+        if trajectory.group_id is not None:
+            members = self._groups.get(trajectory.group_id)
+            if members is not None:
+                members.discard(rollout_id)
+        return True
+
     def close_group(self, group_id: str) -> int:
         """Evict every member of ``group_id``; returns how many were evicted."""
         members = self._groups.pop(group_id, set())

@@ -1,0 +1,131 @@
+"""Tasks, environments and the harness context.
+
+An **environment** is a plugin (``register_environments``) that supplies a
+taskset (tasks yielded lazily, never a whole dataset per worker), a harness
+(how the agent runs: an in-process coroutine or a program inside a runtime)
+and a rubric (a per-rollout score, optionally a group reward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+if TYPE_CHECKING:  # pragma: no cover
+    import httpx
+
+    from lowwater.rollout import Group, Rollout
+    from lowwater.runtime import Runtime
+
+HARNESSES = ("inprocess", "program")
+
+
+@attrs.frozen
+class Task:
+    """One dataset row.
+
+    Attributes:
+        id: stable id: the 0-based row index of the dataset file, or the
+            environment's own id.  Results and ``--resume`` key on it.
+        prompt: what the agent is asked.
+        answer: the reference answer the rubric compares with.
+        metadata: anything else the environment needs (read-only).
+    """
+
+    id: str | int
+    prompt: str
+    answer: str = ""
+    metadata: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class Score:
+    """A rubric's verdict on one rollout: ``reward`` (float) and ``metrics``
+    (JSON-serialisable values, such as ``{"correct": True}``)."""
+
+    reward: float
+    metrics: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.define(eq=False)
+class HarnessContext:
+    """What a harness gets for one rollout.
+
+    Attributes:
+        task: the task.
+        base_url: the rollout's interception slot, ending in ``/v1``.
+        api_key: the slot's secret (send as ``Authorization: Bearer``).
+        model: the model name to put in requests (the interceptor may map it).
+        max_turns: upper bound on model calls the harness should make.
+        harness: ``"inprocess"`` or ``"program"``.
+        http: the engine's shared ``httpx.AsyncClient`` for in-process calls.
+        rollout: the rollout (its ``trajectory`` fills as calls are made).
+    """
+
+    task: Task
+    base_url: str
+    api_key: str
+    model: str
+    max_turns: int
+    harness: str
+    http: httpx.AsyncClient
+    rollout: Rollout
+    _runtime_getter: Any = attrs.field(default=None, alias="runtime_getter")
+
+    async def runtime(self) -> Runtime:
+        """The rollout's runtime, acquired on first use and released at close.
+
+        Raises:
+            lowwater.runtime.RuntimeStartError: it could not be provisioned.
+        """
+        return await self._runtime_getter()
+
+    def program_env(self) -> dict[str, str]:
+        """Environment variables pointing an agent program at this slot
+        (OpenAI and Anthropic SDK conventions)."""
+        root = self.base_url.removesuffix("/v1")
+        return {
+            "OPENAI_BASE_URL": self.base_url,
+            "OPENAI_API_KEY": self.api_key,
+            "ANTHROPIC_BASE_URL": root,
+            "ANTHROPIC_API_KEY": self.api_key,
+        }
+
+
+class Environment:
+    """Base class of environments; subclasses override what they provide.
+
+    Methods that are not overridden raise :class:`NotImplementedError`,
+    except :meth:`group_reward` (no group reward by default).
+    """
+
+    name: str = ""
+
+    def tasks(self) -> Iterator[Task]:
+        """Yield the taskset lazily, in a stable order."""
+        raise NotImplementedError
+
+    async def harness(self, ctx: HarnessContext) -> None:
+        """Run the agent for ``ctx.task`` until it answers or ``ctx.max_turns``.
+
+        Model calls go through ``ctx.base_url`` and are recorded as turns of
+        ``ctx.rollout.trajectory`` by the interception server; the harness
+        stores whatever the rubric needs (such as the final answer) in
+        ``ctx.rollout.state``.
+        """
+        raise NotImplementedError
+
+    async def score(self, rollout: Rollout) -> Score:
+        """Score one finished rollout."""
+        raise NotImplementedError
+
+    async def group_reward(self, group: Group) -> list[float] | None:
+        """Optionally replace the members' rewards once all have been scored
+        (for example group-relative advantages).  Return one float per member
+        in ``group.rollouts`` order, or ``None`` to keep the rewards."""
+        return None
+
+    async def aclose(self) -> None:
+        """Release anything the environment holds (called once at run end)."""
