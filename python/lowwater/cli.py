@@ -15,7 +15,9 @@ import sys
 # Subcommand modules, in the order ``lowwater --help`` lists them.  Imported
 # lazily so ``lowwater demo`` never pays for the HTTP stack.
 SUBCOMMANDS = [
+    "lowwater.commands.eval",
     "lowwater.commands.demo",
+    "lowwater.commands.plugins",
 ]
 
 

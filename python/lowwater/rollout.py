@@ -162,6 +162,19 @@ class Rollout:
     #: The engine's trajectory registry and interception server (for cleanup policies).
     registry: TrajectoryRegistry | None = attrs.field(default=None, repr=False)
     interceptor: Any = attrs.field(default=None, repr=False)
+    _runtime_getter: Any = attrs.field(default=None, repr=False, alias="runtime_getter")
+
+    async def runtime(self) -> Runtime:
+        """The rollout's runtime (taken on first use, released at close);
+        rubrics use it to run scoring scripts, warm when it is persistent.
+
+        Raises:
+            RolloutFailed: the engine has no runtime configured.
+            lowwater.runtime.RuntimeStartError: provisioning failed.
+        """
+        if self._runtime_getter is None:
+            raise RolloutFailed("infra", "this rollout has no runtime")
+        return await self._runtime_getter()
 
     def result(self) -> dict[str, Any]:
         """The result row (JSON-serialisable); see ``docs/eval.md`` for the keys."""
@@ -270,7 +283,7 @@ class Engine:
         its trajectory is evicted; the eval runner writes the row there.
         Cancellation propagates after cleanup.
         """
-        rollout = Rollout(rollout_id or _new_id("r"), task, registry=self.registry, interceptor=self.interceptor)
+        rollout = self._new_rollout(rollout_id or _new_id("r"), task, None)
         try:
             await self._attempts(rollout)
         finally:
@@ -297,7 +310,7 @@ class Engine:
         if n < 1:
             raise ValueError(f"group size must be >= 1, not {n}")
         group_id = group_id or _new_id("g")
-        group = Group(group_id, task, [Rollout(f"{group_id}-{i}", task, group_id, registry=self.registry, interceptor=self.interceptor) for i in range(n)], self.registry)
+        group = Group(group_id, task, [self._new_rollout(f"{group_id}-{i}", task, group_id) for i in range(n)], self.registry)
         try:
             async with trio.open_nursery() as nursery:
                 for rollout in group.rollouts:
@@ -315,6 +328,11 @@ class Engine:
                     for rollout in group.rollouts:
                         rollout.trajectory = None
         return group
+
+    def _new_rollout(self, rollout_id: str, task: Task, group_id: str | None) -> Rollout:
+        rollout = Rollout(rollout_id, task, group_id, registry=self.registry, interceptor=self.interceptor)
+        rollout._runtime_getter = lambda: self._runtime_for(rollout)
+        return rollout
 
     def stats(self) -> dict[str, Any]:
         """``in_flight`` rollouts, held ``runtimes``, and the registry's stats."""
@@ -424,7 +442,7 @@ class Engine:
             harness=self.harness,
             http=self.http,
             rollout=rollout,
-            runtime_getter=lambda: self._runtime_for(rollout),
+            runtime_getter=rollout.runtime,
         )
         rollout.state["_ctx"] = ctx
         await self.env.harness(ctx)

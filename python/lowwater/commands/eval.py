@@ -1,0 +1,202 @@
+"""``lowwater eval [ENV]``: run rollouts of an environment against a model.
+
+With no arguments it runs the embedded default: the ``arithmetic``
+environment (seeded word problems solved with a calculator tool over
+several turns) against ``--model scripted``, with no network and no data.
+Results stream to ``--out`` (JSONL); a rich progress bar shows rollouts,
+errors, rollouts/s and RSS; a summary table follows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import trio
+
+from lowwater.cli import UsageError
+
+DEFAULT_OUT_DIR = Path("runs")
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "eval",
+        help="run rollouts of an environment against a model and stream results to disk",
+        description="Run rollouts of ENV (default: the embedded arithmetic environment) against a model.",
+    )
+    p.add_argument("env", nargs="?", default="arithmetic", help="environment name (see `lowwater plugins`)")
+    p.add_argument("--model", default="scripted", help="scripted, replay:PATH#COLUMN, or a model NAME with --model-url")
+    p.add_argument("--model-url", help="base URL of an OpenAI-compatible server (ending in /v1)")
+    p.add_argument("--api-key-env", help="environment variable holding the model server's API key")
+    p.add_argument("--data", help="dataset file for environments that read one (e.g. gsm8k)")
+    p.add_argument("--env-option", action="append", default=[], metavar="KEY=VALUE", help="environment option (repeatable)")
+    p.add_argument("-n", "--rollouts", type=int, help="tasks to run from the start of the taskset (default: all)")
+    p.add_argument("--group-size", type=int, default=1, help="rollouts per task (default 1)")
+    p.add_argument("-c", "--concurrency", type=int, default=32, help="rollouts in flight (default 32)")
+    p.add_argument("--max-turns", type=int, default=16, help="model calls per rollout (default 16)")
+    p.add_argument("--timeout", type=float, default=600.0, help="whole-rollout deadline in seconds (default 600)")
+    p.add_argument("--harness", choices=("inprocess", "program"), default="inprocess")
+    p.add_argument("--persistent", action=argparse.BooleanOptionalAction, default=True, help="runtimes from a pool (default on)")
+    p.add_argument("--out", type=Path, help="results JSONL (default runs/<env>-<time>.jsonl)")
+    p.add_argument("--resume", action="store_true", help="continue --out: skip finished tasks, re-run errored ones")
+    p.add_argument("--max-attempts", type=int, default=3, help="runs that may attempt an errored task (default 3)")
+    p.add_argument("--summary-json", type=Path, help="write the summary figures as JSON here")
+    p.add_argument("--memory-plot", type=Path, metavar="PATH.png", help="plot RSS over the run as a PNG")
+    p.add_argument("--seed", type=int, default=0, help="seed for generated tasksets (default 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+    return p
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    from lowwater.eval import EvalConfig
+    from lowwater.upstream import UpstreamError, parse_model
+
+    options: dict[str, Any] = {"seed": args.seed}
+    if args.data:
+        options["data"] = args.data
+    for item in args.env_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--env-option {item!r}: expected KEY=VALUE")
+        options[key] = value
+    try:
+        model = parse_model(args.model, args.model_url, args.api_key_env)
+    except UpstreamError as exc:
+        raise UsageError(str(exc)) from None
+    out = args.out or DEFAULT_OUT_DIR / f"{args.env}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    if args.resume and args.out is None:
+        raise UsageError("--resume needs --out (the results file to continue)")
+    try:
+        return EvalConfig(
+            env=args.env, env_options=options, model=model, rollouts=args.rollouts, group_size=args.group_size,
+            concurrency=args.concurrency, max_turns=args.max_turns, timeout_s=args.timeout, harness=args.harness,
+            persistent=args.persistent, out=out, resume=args.resume, max_attempts=args.max_attempts, seed=args.seed,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from lowwater import eval as eval_mod
+    from lowwater.plugins import UnknownName
+    from lowwater.results import ResultsFileError
+    from lowwater.upstream import UpstreamError
+
+    if args.memory_plot is not None:
+        _check_plotting()
+    config = build_config(args)
+    console = Console(stderr=True)
+    progress = None if args.no_progress or not console.is_terminal else _Progress(console)
+    try:
+        if progress is None:
+            report = trio.run(lambda: eval_mod.run_eval(config))
+        else:
+            with progress:
+                report = trio.run(lambda: eval_mod.run_eval(config, on_progress=progress.update))
+    except (UnknownName, ResultsFileError, UpstreamError) as exc:
+        raise UsageError(str(exc)) from None
+    except (ValueError, OSError) as exc:
+        # Environment options and data files: a missing file or a malformed
+        # line is reported by the environment with its path and line number.
+        raise UsageError(str(exc)) from None
+    _print_summary(Console(), report, config)
+    if args.summary_json is not None:
+        args.summary_json.parent.mkdir(parents=True, exist_ok=True)
+        args.summary_json.write_bytes(orjson.dumps(report.summary, option=orjson.OPT_INDENT_2) + b"\n")
+    if args.memory_plot is not None:
+        plot_memory(report.memory, args.memory_plot)
+    return 0
+
+
+class _Progress:
+    """A rich progress bar: rollouts done, errors, rollouts/s, current RSS."""
+
+    def __init__(self, console: Any) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(
+            TextColumn("[bold]eval"), BarColumn(), TextColumn("{task.completed} rollouts"),
+            TextColumn("{task.fields[errors]} errors"), TextColumn("{task.fields[rate]:.1f}/s"),
+            TextColumn("RSS {task.fields[rss_mb]:.0f} MiB"), TimeElapsedColumn(), console=console,
+        )
+        self.task = self.progress.add_task("eval", total=None, errors=0, rate=0.0, rss_mb=0.0)
+        self.started = time.perf_counter()
+
+    def __enter__(self) -> _Progress:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.__exit__(*exc)  # type: ignore[arg-type]
+
+    def update(self, totals: Any, rss: int) -> None:
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        self.progress.update(
+            self.task, completed=totals.this_run, errors=sum(totals.errors.values()),
+            rate=totals.this_run / elapsed, rss_mb=rss / (1 << 20),
+        )
+
+
+def _print_summary(console: Any, report: Any, config: Any) -> None:
+    from rich.table import Table
+
+    from lowwater.rollout import ERROR_CLASSES
+
+    s = report.summary
+    table = Table(title=f"lowwater eval {config.env} ({config.model.name})", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    errors = ", ".join(f"{c} {report.errors_by_class[c]}" for c in ERROR_CLASSES if report.errors_by_class.get(c)) or "none"
+    for label, value in (
+        ("rollouts", s["rollouts"]), ("completed", s["completed"]), ("errors", f"{s['errors']} ({errors})"),
+        ("accuracy", f"{100 * s['accuracy']:.2f} %"), ("mean reward", f"{s['reward_mean']:.4f}"),
+        ("mean turns", f"{s['turns_mean']:.2f}"), ("wall time", f"{s['wall_s']:.2f} s"),
+        ("rollouts/s", f"{s['rollouts_per_s']:.2f}"),
+        ("RSS baseline / peak / resting", f"{s['rss_baseline_mb']:.1f} / {s['rss_peak_mb']:.1f} / {s['rss_resting_mb']:.1f} MiB"),
+        ("results", str(report.out)),
+    ):
+        table.add_row(label, str(value))
+    console.print(table)
+
+
+def _check_plotting() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("--memory-plot needs matplotlib: pip install 'lowwater[plot]'") from None
+
+
+def plot_memory(record: Any, path: Path) -> None:
+    """Draw RSS (MiB) over the run with rollouts finished on a second axis (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = record.samples or [(0.0, record.baseline_bytes, 0)]
+    t = [s[0] for s in samples]
+    fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
+    ax.plot(t, [s[1] / (1 << 20) for s in samples], color="tab:blue", label="RSS")
+    ax.axhline(record.baseline_bytes / (1 << 20), color="tab:blue", linestyle=":", linewidth=1, label="baseline")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("RSS (MiB)", color="tab:blue")
+    ax2 = ax.twinx()
+    ax2.plot(t, [s[2] for s in samples], color="tab:orange", label="rollouts finished")
+    ax2.set_ylabel("rollouts finished", color="tab:orange")
+    top = max((s[1] for s in samples), default=record.baseline_bytes) / (1 << 20)
+    ax.set_ylim(0, math.ceil(top * 1.1) or 1)
+    ax.set_title("lowwater eval: RSS over the run")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    print(f"memory plot: {path}", file=sys.stderr)

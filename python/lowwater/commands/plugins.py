@@ -1,0 +1,54 @@
+"""``lowwater plugins``: installed plugins, their distribution and version,
+the hooks each implements, what the registries hold, and any plugin that
+failed to load (by name, with a one-line reason)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import orjson
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("plugins", help="list installed plugins and the hooks they implement")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from lowwater.plugins import disabled_names, load
+
+    plugins = load()
+    data = {
+        "plugins": [
+            {"name": i.name, "dist": i.dist, "version": i.version, "hooks": list(i.hooks)} for i in plugins.infos
+        ],
+        "failed": [{"name": f.name, "dist": f.dist, "reason": f.reason} for f in plugins.failures],
+        "disabled": sorted(disabled_names()),
+        "runtimes": sorted(plugins.runtimes),
+        "protocols": sorted(plugins.protocols),
+        "environments": sorted(plugins.environments),
+        "cleanup_policies": sorted(plugins.cleanup_policies),
+    }
+    if args.json:
+        print(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="lowwater plugins")
+    for column in ("plugin", "distribution", "version", "hooks"):
+        table.add_column(column)
+    for p in data["plugins"]:
+        table.add_row(p["name"], p["dist"], p["version"], ", ".join(p["hooks"]))
+    console = Console()
+    console.print(table)
+    for kind in ("runtimes", "protocols", "environments", "cleanup_policies"):
+        console.print(f"{kind.replace('_', ' ')}: {', '.join(data[kind]) or 'none'}")
+    for f in data["failed"]:
+        console.print(f"[red]failed[/red] {f['name']} ({f['dist'] or 'no distribution'}): {f['reason']}")
+    if data["disabled"]:
+        console.print(f"disabled: {', '.join(data['disabled'])}")
+    return 0

@@ -1,0 +1,290 @@
+"""The eval runner behind ``lowwater eval``: rollouts of an environment against
+a model, streamed to a results file, with a memory record and a summary.
+
+Memory discipline (DESIGN.md section 1, the 30-worker evaluation incident):
+tasks are pulled from the taskset lazily as concurrency frees up; each
+finished rollout's row is written and flushed, then dropped (the runner keeps
+running totals, not results); run metadata is one header line.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+from lowwater import plugins as plugins_mod
+from lowwater.environment import Environment, Task
+from lowwater.memory import MemoryRecord, Trimmer, rss_bytes
+from lowwater.results import ResultsWriter, prepare
+from lowwater.rollout import ERROR_CLASSES, Deadlines, Engine, Rollout
+from lowwater.upstream import ModelSpec, model_server
+
+log = logging.getLogger("lowwater.eval")
+
+#: The keys of ``--summary-json``, in order.
+SUMMARY_KEYS = (
+    "rollouts", "completed", "errors", "accuracy", "reward_mean", "turns_mean",
+    "wall_s", "rollouts_per_s", "rss_baseline_mb", "rss_peak_mb", "rss_resting_mb",
+)
+
+
+@attrs.frozen
+class EvalConfig:
+    """Everything ``lowwater eval`` takes; the CLI flags map one to one.
+
+    Attributes:
+        env: environment name (``register_environments``).
+        env_options: options for the environment's factory (``--data`` ...).
+        model: the resolved ``--model``.
+        rollouts: tasks to run from the start of the taskset (``None``: all).
+        group_size: rollouts per task (a group when > 1).
+        concurrency: rollouts in flight at once.
+        max_turns: model calls per rollout.
+        timeout_s: whole-rollout deadline (seconds).
+        harness: ``"inprocess"`` or ``"program"``.
+        persistent: take runtimes from a pool (reset between uses).
+        out: the JSONL results file.
+        resume: continue ``out`` instead of refusing to touch it.
+        max_attempts: eval runs that may attempt an errored task (``--resume``).
+        seed: recorded in the header; environments take it from ``env_options``.
+        tick_s: worker-tick cadence (seconds): RSS samples, stale sweeps.
+    """
+
+    env: str = "arithmetic"
+    env_options: dict[str, Any] = attrs.field(factory=dict)
+    model: ModelSpec = ModelSpec("scripted", "scripted")
+    rollouts: int | None = None
+    group_size: int = 1
+    concurrency: int = 32
+    max_turns: int = 16
+    timeout_s: float = 600.0
+    harness: str = "inprocess"
+    persistent: bool = True
+    out: Path = Path("runs/results.jsonl")
+    resume: bool = False
+    max_attempts: int = 3
+    seed: int = 0
+    tick_s: float = 1.0
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("group_size", "concurrency", "max_turns", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1, not {getattr(self, name)}")
+        if self.rollouts is not None and self.rollouts < 0:
+            raise ValueError(f"rollouts must be >= 0, not {self.rollouts}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, not {self.timeout_s}")
+
+
+class Totals:
+    """Running totals for the summary (no result is kept)."""
+
+    def __init__(self) -> None:
+        self.rollouts = 0
+        self.completed = 0
+        self.correct = 0
+        self.reward_sum = 0.0
+        self.turns_sum = 0
+        self.errors: Counter[str] = Counter()
+        self.this_run = 0
+
+    def add(self, row: dict[str, Any], *, this_run: bool) -> None:
+        self.rollouts += 1
+        self.this_run += this_run
+        self.turns_sum += int(row.get("turns") or 0)
+        error = row.get("error")
+        if error:
+            self.errors[error.get("class", "infra")] += 1
+            return
+        self.completed += 1
+        self.reward_sum += float(row.get("reward") or 0.0)
+        self.correct += bool((row.get("metrics") or {}).get("correct"))
+
+    def summary(self, wall_s: float, memory: dict[str, float]) -> dict[str, Any]:
+        """The ``--summary-json`` figures (see :data:`SUMMARY_KEYS`).
+
+        ``accuracy`` is correct rollouts over all rollouts (an errored
+        rollout counts as wrong); ``reward_mean`` is over completed ones;
+        ``rollouts_per_s`` counts this run's rollouts only.
+        """
+        n = self.rollouts
+        return {
+            "rollouts": n,
+            "completed": self.completed,
+            "errors": sum(self.errors.values()),
+            "accuracy": self.correct / n if n else 0.0,
+            "reward_mean": self.reward_sum / self.completed if self.completed else 0.0,
+            "turns_mean": self.turns_sum / n if n else 0.0,
+            "wall_s": round(wall_s, 3),
+            "rollouts_per_s": round(self.this_run / wall_s, 3) if wall_s > 0 else 0.0,
+            **memory,
+        }
+
+
+@attrs.define
+class EvalReport:
+    """What :func:`run_eval` returns: the summary, errors by class, the
+    memory record, the results path and the engine's final stats (all zero
+    when nothing leaked)."""
+
+    summary: dict[str, Any]
+    errors_by_class: dict[str, int]
+    memory: MemoryRecord
+    out: Path
+    leftovers: dict[str, int]
+
+
+def _tasks(env: Environment, config: EvalConfig, done: set[Any]) -> Iterator[Task]:
+    for count, task in enumerate(env.tasks()):
+        if config.rollouts is not None and count >= config.rollouts:
+            return
+        if task.id not in done:
+            yield task
+
+
+async def run_eval(
+    config: EvalConfig,
+    *,
+    plugins: plugins_mod.Plugins | None = None,
+    on_progress: Callable[[Totals, int], None] | None = None,
+) -> EvalReport:
+    """Run the eval described by ``config``.
+
+    ``on_progress(totals, rss_bytes)`` is called on every tick and after
+    every row.  Cancellation (Ctrl-C) cancels in-flight rollouts; their rows
+    are still written with error class ``cancelled``.
+
+    Raises:
+        lowwater.plugins.UnknownName: unknown environment.
+        lowwater.results.ResultsFileError: ``out`` cannot be (re)used.
+        lowwater.upstream.UpstreamError: the model cannot be started/reached.
+        ValueError: bad environment options.
+    """
+    from lowwater.interception import InterceptionServer  # heavy imports, only for runs
+    from lowwater.model import ModelClient
+
+    plugins = plugins or plugins_mod.load()
+    env: Environment = plugins.environment(config.env)(config.env_options)
+    run_id = uuid.uuid4().hex[:12]
+    header = {
+        "type": "lowwater.eval.header",
+        "run_id": run_id,
+        "env": config.env,
+        "env_options": {k: str(v) for k, v in config.env_options.items()},
+        "model": config.model.name,
+        "harness": config.harness,
+        "group_size": config.group_size,
+        "max_turns": config.max_turns,
+        "seed": config.seed,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    state = prepare(config.out, header, resume=config.resume, group_size=config.group_size, max_attempts=config.max_attempts)
+    totals = Totals()
+    for row in state.kept_rows:
+        totals.add(row, this_run=False)
+    state.kept_rows.clear()  # counted; not kept
+    record = MemoryRecord()
+    started = time.perf_counter()
+    writer = ResultsWriter(config.out)
+    pool = None
+    try:
+        async with model_server(config.model) as upstream_url, ModelClient(upstream_url, api_key=config.model.api_key) as client:
+            server = InterceptionServer(client, protocols=list(plugins.protocols.values()) or None)
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=config.concurrency)
+            async with trio.open_nursery() as services, httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(config.timeout_s)) as http:
+                await services.start(server.run)
+                runtime_config = _runtime_config(config)
+                if config.persistent:
+                    from lowwater.runtime import RuntimePool
+
+                    pool = RuntimePool(plugins.runtimes)
+                engine = Engine(
+                    env, server, plugins, http,
+                    harness=config.harness, model=config.model.name, max_turns=config.max_turns,
+                    deadlines=Deadlines(rollout_s=config.timeout_s), runtime_config=runtime_config, pool=pool,
+                )
+
+                async def on_result(rollout: Rollout) -> None:
+                    row = rollout.result()
+                    row["run_id"] = run_id
+                    row["attempts"] = state.attempts.get(rollout.task.id, 0) + 1
+                    await writer.write(row)
+                    totals.add(row, this_run=True)
+                    if on_progress is not None:
+                        on_progress(totals, record.last_bytes)
+
+                async def tick() -> None:
+                    while True:
+                        await trio.sleep(config.tick_s)
+                        rss = rss_bytes()
+                        stats = {
+                            "rss_bytes": rss, "in_flight": engine.in_flight, "finished": totals.this_run,
+                            "intercepts": server.table.stats(), "intercept_table": server.table, "memory_record": record,
+                        }
+                        await plugins.fire("worker_tick", stats=stats)
+                        if "rss-sampling" not in plugins.cleanup_policies:
+                            record.add(rss, totals.this_run)
+                        if on_progress is not None:
+                            on_progress(totals, record.last_bytes)
+
+                services.start_soon(tick)
+                await _run_tasks(engine, env, config, state.done, on_result)
+                await plugins.fire("shutdown")
+                leftovers = {**engine.stats(), "intercepts": len(server.table)}
+                services.cancel_scope.cancel()
+    finally:
+        writer.close()
+        if pool is not None:
+            with trio.CancelScope(shield=True):
+                await pool.aclose()
+        with trio.CancelScope(shield=True):
+            await env.aclose()
+    wall_s = time.perf_counter() - started
+    # Resting RSS: after the run's structures are gone and the allocator trimmed.
+    await trio.to_thread.run_sync(Trimmer(0.0))
+    resting = record.add(finished=totals.this_run)
+    summary = totals.summary(wall_s, record.summary(resting))
+    return EvalReport(summary, dict(totals.errors), record, config.out, leftovers)
+
+
+async def _run_tasks(engine: Engine, env: Environment, config: EvalConfig, done: set[Any], on_result: Any) -> None:
+    """Pull tasks lazily and keep ``concurrency`` rollouts in flight."""
+    # A group of g rollouts takes g slots of the concurrency budget.
+    limiter = trio.CapacityLimiter(max(config.concurrency, config.group_size))
+    async with trio.open_nursery() as nursery:
+        for task in _tasks(env, config, done):
+            tokens = [object() for _ in range(config.group_size)]
+            for token in tokens:
+                await limiter.acquire_on_behalf_of(token)
+            nursery.start_soon(_one, engine, task, config.group_size, on_result, limiter, tokens)
+
+
+async def _one(engine: Engine, task: Task, group_size: int, on_result: Any, limiter: trio.CapacityLimiter, tokens: list[object]) -> None:
+    try:
+        if group_size == 1:
+            await engine.run_rollout(task, on_result=on_result)
+        else:
+            await engine.run_group(task, group_size, on_result=on_result)
+    finally:
+        for token in tokens:
+            limiter.release_on_behalf_of(token)
+
+
+def _runtime_config(config: EvalConfig) -> Any:
+    try:
+        from lowwater.runtime import RuntimeConfig
+    except ImportError:  # runtime plugin disabled or absent: in-process only
+        return None
+    return RuntimeConfig(kind="subprocess", persistent=config.persistent)
+
+
+ERROR_ORDER = ERROR_CLASSES

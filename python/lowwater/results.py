@@ -1,0 +1,184 @@
+"""The results file: a JSONL header line, then one row per finished rollout.
+
+Rows are written and flushed as each rollout finishes, in a worker thread
+(file writes never run on the Trio loop), and nothing keeps them afterwards:
+a peer's 30-worker evaluation kept its result history and a deep copy of the
+run metadata per result and was OOM-killed after 5 h (DESIGN.md section 1).
+Run metadata is the header line, written once; rows carry only ``run_id``.
+
+Crash safety: each row is a single ``write`` of a whole line followed by a
+flush, so a kill (even SIGKILL) can only leave a torn *last* line.
+:func:`prepare` drops that line when resuming, keeps every finished task's
+rows, drops the rows of tasks that will run again, and rewrites the file
+atomically (temp file, fsync, rename) before new rows are appended: after
+any number of kills and resumes the file holds exactly the final rows of
+each task, no loss and no duplicates.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import attrs
+import orjson
+import trio
+
+from lowwater._native import LowwaterError
+
+HEADER_TYPE = "lowwater.eval.header"
+
+
+class ResultsFileError(LowwaterError):
+    """The results file cannot be resumed: not a lowwater results file, a
+    different environment, or a malformed line before the last one (its
+    1-based line number is in the message)."""
+
+
+@attrs.define
+class ResumeState:
+    """What an existing results file says about a run.
+
+    Attributes:
+        done: task ids that need no further rollout.
+        attempts: task id -> eval runs that attempted it so far.
+        kept_rows: the rows kept from the file (to seed the summary).
+        dropped_torn_line: whether a torn last line was removed.
+    """
+
+    done: set[Any] = attrs.field(factory=set)
+    attempts: dict[Any, int] = attrs.field(factory=dict)
+    kept_rows: list[dict[str, Any]] = attrs.field(factory=list)
+    dropped_torn_line: bool = False
+
+
+def read_rows(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any]], bool]:
+    """``(header, rows, torn)`` of a results file.
+
+    A last line without its newline, or that does not parse, is a torn
+    write and is reported as ``torn=True`` (not an error).
+
+    Raises:
+        ResultsFileError: a malformed line before the last one.
+    """
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    torn = False
+    if lines and lines[-1] == b"":
+        lines.pop()
+    elif lines:
+        torn = True  # no trailing newline: the last write did not finish
+        lines.pop()
+    header = None
+    rows: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError as exc:
+            if number == len(lines):
+                torn = True
+                break
+            raise ResultsFileError(f"{path}: line {number} is not valid JSON ({exc})") from None
+        if not isinstance(obj, dict):
+            raise ResultsFileError(f"{path}: line {number} is not a JSON object")
+        if obj.get("type") == HEADER_TYPE:
+            header = header or obj
+        else:
+            rows.append(obj)
+    return header, rows, torn
+
+
+def prepare(path: Path, header: dict[str, Any], *, resume: bool, group_size: int, max_attempts: int) -> ResumeState:
+    """Make ``path`` ready for appending rows of this run; returns what to skip.
+
+    Without ``resume`` an existing file is refused (nothing is overwritten
+    by accident).  With ``resume``: a task is done when it has
+    ``group_size`` error-free rows, or when its last rows errored and it has
+    been attempted ``max_attempts`` times; other tasks' rows are dropped and
+    they run again.  The file is rewritten atomically with the header and
+    the kept rows.
+
+    Raises:
+        ResultsFileError: the file exists without ``resume``, is not a
+            results file, or belongs to another environment.
+    """
+    state = ResumeState()
+    if path.exists() and path.stat().st_size > 0:
+        if not resume:
+            raise ResultsFileError(f"{path} exists; pass --resume to continue it or choose another --out")
+        old_header, rows, state.dropped_torn_line = read_rows(path)
+        if old_header is None:
+            raise ResultsFileError(f"{path} has no lowwater header line; not a results file")
+        if old_header.get("env") != header.get("env"):
+            raise ResultsFileError(f"{path} holds results of environment {old_header.get('env')!r}, not {header.get('env')!r}")
+        by_task: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+        for row in rows:
+            by_task[row.get("task_id")].append(row)
+        for task_id, task_rows in by_task.items():
+            ok = [r for r in task_rows if r.get("error") is None]
+            attempts = max(int(r.get("attempts", 1)) for r in task_rows)
+            state.attempts[task_id] = attempts
+            if len(ok) >= group_size:
+                state.done.add(task_id)
+                state.kept_rows.extend(ok[-group_size:])
+            elif attempts >= max_attempts:
+                state.done.add(task_id)
+                state.kept_rows.extend(task_rows[-group_size:])
+        header = {**header, "resumed_from": old_header.get("run_id")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, [header, *state.kept_rows])
+    return state
+
+
+def _atomic_write(path: Path, objects: list[dict[str, Any]]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        for obj in objects:
+            f.write(orjson.dumps(obj) + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class ResultsWriter:
+    """Appends rows to a prepared results file, one flushed line each.
+
+    Writes run in a worker thread (``trio.to_thread.run_sync``); a lock
+    keeps concurrent rows from interleaving.  Use as a context manager or
+    call :meth:`close`.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = open(path, "ab")  # noqa: SIM115 - closed in close()
+        self._lock = threading.Lock()
+        self.rows_written = 0
+
+    def _write(self, line: bytes) -> None:
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
+            self.rows_written += 1
+
+    async def write(self, row: dict[str, Any]) -> None:
+        """Serialise ``row`` (orjson) and append it as one flushed line."""
+        line = orjson.dumps(row, option=orjson.OPT_NON_STR_KEYS) + b"\n"
+        await trio.to_thread.run_sync(self._write, line)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self._file.close()
+
+    def __enter__(self) -> ResultsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

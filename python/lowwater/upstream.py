@@ -1,0 +1,173 @@
+"""Resolving ``--model`` to an upstream URL, and running ``serve-model`` for a run.
+
+``--model scripted`` and ``--model replay:PATH#COLUMN`` start ``lowwater
+serve-model`` as a real local HTTP server in a child process for the run
+(so its memory is not counted as the eval's) and stop it afterwards;
+``--model NAME --model-url URL`` uses any OpenAI-compatible server.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+from lowwater._native import LowwaterError
+
+_URL = re.compile(rb"https?://[\w.\-\[\]:]+")
+
+
+class UpstreamError(LowwaterError):
+    """The model server could not be started or reached; the message says why."""
+
+
+@attrs.frozen
+class ModelSpec:
+    """A resolved ``--model``: ``kind`` is ``"scripted"``, ``"replay"`` or
+    ``"url"``; ``name`` is what requests ask for; ``url`` the server's base
+    (``/v1`` included) for ``"url"``; ``replay_path``/``replay_column`` for replay."""
+
+    kind: str
+    name: str
+    url: str | None = None
+    api_key: str | None = None
+    replay_path: Path | None = None
+    replay_column: str | None = None
+
+
+def parse_model(model: str, model_url: str | None = None, api_key_env: str | None = None) -> ModelSpec:
+    """Resolve the ``--model`` / ``--model-url`` / ``--api-key-env`` flags.
+
+    Raises:
+        UpstreamError: a replay spec without ``#COLUMN`` or whose file does
+            not exist, a URL without a model name, or an unset key variable.
+    """
+    api_key = None
+    if api_key_env:
+        api_key = os.environ.get(api_key_env)
+        if not api_key:
+            raise UpstreamError(f"environment variable {api_key_env} (from --api-key-env) is not set")
+    if model_url:
+        if model in ("scripted",) or model.startswith("replay:"):
+            raise UpstreamError("--model-url needs --model NAME (the served model's name)")
+        return ModelSpec("url", model, model_url.rstrip("/"), api_key)
+    if model == "scripted":
+        return ModelSpec("scripted", "scripted")
+    if model.startswith("replay:"):
+        path_text, _, column = model.removeprefix("replay:").partition("#")
+        if not column:
+            raise UpstreamError(f"--model {model}: name the column to replay as replay:PATH#COLUMN")
+        path = Path(path_text)
+        if not path.is_file():
+            raise UpstreamError(f"--model {model}: no such file: {path}")
+        return ModelSpec("replay", f"replay-{column}", replay_path=path, replay_column=column)
+    raise UpstreamError(f"--model {model!r}: use scripted, replay:PATH#COLUMN, or NAME with --model-url URL")
+
+
+def serve_model_argv(spec: ModelSpec, *, latency_ms: float = 0.0) -> list[str]:
+    """The command that serves ``spec`` locally on an OS-chosen port."""
+    argv = [sys.executable, "-m", "lowwater", "serve-model", "--host", "127.0.0.1", "--port", "0"]
+    if spec.kind == "scripted":
+        argv += ["--scripted"]
+    else:
+        argv += ["--replay", f"{spec.replay_path}#{spec.replay_column}"]
+    if latency_ms:
+        argv += ["--latency-ms", str(latency_ms)]
+    return argv
+
+
+@asynccontextmanager
+async def model_server(spec: ModelSpec, *, start_timeout_s: float = 60.0) -> AsyncIterator[str]:
+    """Yield the base URL (ending in ``/v1``) of the model ``spec`` names.
+
+    For ``scripted`` and ``replay`` a ``serve-model`` child process runs
+    for the duration of the block and is terminated (then killed) after it.
+    For ``url`` the server is probed once with ``GET /models``.
+
+    Raises:
+        UpstreamError: the child exited or printed no URL within
+            ``start_timeout_s`` (its stderr tail is in the message), or the
+            URL is unreachable.
+    """
+    if spec.kind == "url":
+        await probe(spec.url or "", spec.api_key)
+        yield spec.url or ""
+        return
+    # stderr goes to a file, not a pipe: a pipe nobody reads would fill and
+    # block the server mid-run; the file gives the reason if it fails.
+    with tempfile.TemporaryFile() as errfile:
+        process = await trio.lowlevel.open_process(
+            serve_model_argv(spec), stdout=subprocess.PIPE, stderr=errfile, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                url = await _read_url(process, start_timeout_s, errfile)
+                nursery.start_soon(_drain, process)
+                yield url + "/v1"
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await _stop(process)
+
+
+async def _drain(process: trio.Process) -> None:
+    assert process.stdout is not None
+    while await process.stdout.receive_some(65536):
+        pass
+
+
+async def _read_url(process: trio.Process, timeout_s: float, errfile: Any) -> str:
+    buffer = b""
+    assert process.stdout is not None
+    with trio.move_on_after(timeout_s):
+        while True:
+            chunk = await process.stdout.receive_some(4096)
+            if not chunk:
+                break
+            buffer += chunk
+            match = _URL.search(buffer)
+            if match and b"\n" in buffer[match.end():]:
+                return match.group(0).decode().rstrip("/").removesuffix("/v1")
+    with trio.move_on_after(2):
+        await process.wait()
+    errfile.seek(0)
+    stderr = errfile.read()[-65536:]
+    tail = stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+    raise UpstreamError(f"serve-model did not start: {tail[0]}")
+
+
+async def _stop(process: trio.Process) -> None:
+    if process.returncode is None:
+        process.send_signal(signal.SIGTERM)
+        with trio.move_on_after(5):
+            await process.wait()
+    if process.returncode is None:
+        process.kill()
+        await process.wait()
+    if process.stdout is not None:
+        await process.stdout.aclose()
+
+
+async def probe(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> None:
+    """Check that an OpenAI-compatible server answers at ``url``.
+
+    Raises:
+        UpstreamError: it cannot be connected to (any HTTP answer counts as reachable).
+    """
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            await client.get(f"{url}/models", headers=headers)
+    except httpx.HTTPError as exc:
+        raise UpstreamError(f"model server {url} is unreachable: {type(exc).__name__}: {exc}") from None
