@@ -79,7 +79,10 @@ def classify(exc: BaseException) -> RolloutError:
     expiry is ``timeout``; anything else the environment raised is
     ``environment``.
     """
-    from lowwater.runtime import base as runtime_base  # lazy: keeps import light
+    try:
+        from lowwater.runtime import base as runtime_base  # lazy: keeps import light
+    except ImportError:  # the runtime plugin's package is absent
+        runtime_base = None
 
     if isinstance(exc, RolloutFailed):
         return RolloutError(exc.error_class, exc.message)
@@ -89,7 +92,9 @@ def classify(exc: BaseException) -> RolloutError:
     if isinstance(exc, httpx.HTTPError):
         return RolloutError("model", message)
     runtime_errors = tuple(getattr(runtime_base, n) for n in ("RuntimeStartError",) if hasattr(runtime_base, n))
-    if isinstance(exc, runtime_errors + (OSError,)):
+    if runtime_errors and isinstance(exc, runtime_errors):
+        return RolloutError("infra", message)
+    if isinstance(exc, OSError):
         return RolloutError("infra", message)
     return RolloutError("environment", message)
 
