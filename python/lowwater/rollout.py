@@ -301,13 +301,22 @@ class Engine:
                     self._evict(rollout)
         return rollout
 
-    async def run_group(self, task: Task, n: int, *, on_result: ResultSink | None = None, group_id: str | None = None) -> Group:
+    async def run_group(
+        self,
+        task: Task,
+        n: int,
+        *,
+        on_result: ResultSink | None = None,
+        on_group: Callable[[Group], Awaitable[None]] | None = None,
+        group_id: str | None = None,
+    ) -> Group:
         """Run ``n`` rollouts of ``task`` concurrently, then the group reward.
 
         Members are scored individually and their own cleanup (slot,
         runtime, ``rollout_end``) runs as each finishes; their trajectories
         stay in the registry until the group is cleaned up, after the group
-        reward, ``on_result`` for each member and ``group_end``.
+        reward, ``on_result`` for each member, ``on_group`` (a trainer's
+        producer turns the trajectories into shards there) and ``group_end``.
 
         Raises:
             ValueError: ``n < 1``.
@@ -327,6 +336,8 @@ class Engine:
                     if on_result is not None:
                         for rollout in group.rollouts:
                             await on_result(rollout)
+                    if on_group is not None:
+                        await on_group(group)
                     await self.plugins.fire("group_end", group=group)
                 finally:
                     self.registry.close_group(group_id)

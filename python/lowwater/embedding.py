@@ -1,0 +1,294 @@
+"""The embedding API: a trainer's loop asks lowwater for groups of rollouts,
+receives their token data as shard references, and releases every byte of
+the step with :meth:`Lowwater.clear_batch`.
+
+Async (Trio trainers)::
+
+    async with Lowwater.open(TrainerConfig(group_size=4)) as lw:
+        for step in range(100):
+            batch = await lw.next_batch(n_groups=8)   # Batch: refs, rewards, step
+            ...                                        # consumers fetch batch.refs
+            await lw.clear_batch(batch, consumers=["127.0.0.1:9001"])
+
+Sync (any other trainer): :class:`SyncLowwater` runs the same object on a
+Trio loop in a background thread; its methods block the calling thread only.
+
+What lowwater holds between ``next_batch`` and ``clear_batch`` is exactly the
+batch's shards in the producer's :class:`~lowwater.shards.ShardStore`; the
+rollouts' trajectories are evicted when each group has been turned into
+shards (DESIGN.md section 1: consumer fetch buffers that only the controller
+drained grew ~2 GB per step).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import attrs
+import httpx
+import trio
+
+from lowwater import plugins as plugins_mod
+from lowwater._native import LowwaterError
+from lowwater.asgi import serve
+from lowwater.environment import Environment, Task
+from lowwater.producer import group_shards
+from lowwater.rollout import Deadlines, Engine, Group
+from lowwater.shards import DrainReport, ShardRef, ShardStore, clear_batch
+from lowwater.upstream import ModelSpec, model_server
+
+T = TypeVar("T")
+
+
+class EmbeddingClosed(LowwaterError):
+    """The :class:`Lowwater` instance was shut down (or never started)."""
+
+
+@attrs.frozen
+class TrainerConfig:
+    """How a trainer runs lowwater.
+
+    Attributes:
+        env: environment name; ``env_options`` its options.
+        model: the upstream model (``ModelSpec``; default: the scripted model).
+        group_size: rollouts per task (``>= 1``).
+        concurrency: groups in flight at once while filling a batch.
+        max_turns: model calls per rollout.
+        timeout_s: whole-rollout deadline (seconds).
+        harness: ``"inprocess"`` or ``"program"``.
+        request_logprobs: ask the upstream for token ids and logprobs on every
+            intercepted call (trainers need them; evals do not).
+    """
+
+    env: str = "arithmetic"
+    env_options: dict[str, Any] = attrs.field(factory=dict)
+    model: ModelSpec = ModelSpec("scripted", "scripted")
+    group_size: int = 4
+    concurrency: int = 8
+    max_turns: int = 16
+    timeout_s: float = 600.0
+    harness: str = "inprocess"
+    request_logprobs: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("group_size", "concurrency", "max_turns"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+
+
+@attrs.frozen
+class Batch:
+    """One step's data.
+
+    Attributes:
+        step: 0-based step number.
+        refs: shard references, six per group in
+            :data:`lowwater.producer.SHARD_NAMES` order.
+        rewards: per group, the members' rewards (float; errored rollouts 0).
+        task_ids: per group, the task id.
+        errors: rollouts of the batch that failed (they carry ``loss_mask`` 0).
+    """
+
+    step: int
+    refs: tuple[ShardRef, ...]
+    rewards: tuple[tuple[float, ...], ...]
+    task_ids: tuple[Any, ...]
+    errors: int
+
+    @property
+    def shard_ids(self) -> list[str]:
+        return [r.shard_id for r in self.refs]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.refs)
+
+
+class Lowwater:
+    """A running lowwater for a trainer (use :meth:`open`)."""
+
+    def __init__(self, config: TrainerConfig, engine: Engine, store: ShardStore, http: httpx.AsyncClient, plugins: Any) -> None:
+        self.config = config
+        self.engine = engine
+        self.store = store
+        self.http = http
+        self.plugins = plugins
+        self.step = 0
+        self._tasks = _cycle(engine.env)
+        self.closed = False
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, config: TrainerConfig = TrainerConfig(), *, plugins: Any = None) -> AsyncIterator[Lowwater]:
+        """Start the model (if local), the interception server and the shard
+        store; yield a :class:`Lowwater`; shut everything down on exit.
+
+        Raises:
+            lowwater.plugins.UnknownName: unknown environment.
+            lowwater.upstream.UpstreamError: the model cannot be started/reached.
+        """
+        from lowwater.interception import InterceptionServer
+        from lowwater.model import ModelClient
+
+        plugins = plugins or plugins_mod.load()
+        env: Environment = plugins.environment(config.env)(config.env_options)
+        store = ShardStore()
+        try:
+            async with model_server(config.model) as url, ModelClient(url, api_key=config.model.api_key) as client:
+                server = InterceptionServer(client, protocols=list(plugins.protocols.values()) or None,
+                                            request_logprobs=config.request_logprobs)
+                async with trio.open_nursery() as nursery, httpx.AsyncClient(timeout=config.timeout_s) as http:
+                    await nursery.start(server.run)
+                    store.address = await nursery.start(serve, store)
+                    engine = Engine(env, server, plugins, http, harness=config.harness, model=config.model.name,
+                                    max_turns=config.max_turns, deadlines=Deadlines(rollout_s=config.timeout_s))
+                    lw = cls(config, engine, store, http, plugins)
+                    try:
+                        yield lw
+                    finally:
+                        lw.closed = True
+                        with trio.CancelScope(shield=True):
+                            await plugins.fire("shutdown")
+                        nursery.cancel_scope.cancel()
+        finally:
+            store.buffer.clear()
+            with trio.CancelScope(shield=True):
+                await env.aclose()
+
+    async def next_batch(self, n_groups: int) -> Batch:
+        """Run ``n_groups`` groups of ``group_size`` rollouts and return their shards.
+
+        Raises:
+            EmbeddingClosed: after shutdown.
+            ValueError: ``n_groups < 1``.
+            lowwater.BufferFull: the shard store is at capacity.
+        """
+        if self.closed:
+            raise EmbeddingClosed("lowwater was shut down")
+        if n_groups < 1:
+            raise ValueError(f"n_groups must be >= 1, not {n_groups}")
+        step = self.step
+        self.step += 1
+        slots: list[tuple[Any, list[ShardRef], tuple[float, ...], int] | None] = [None] * n_groups
+        limiter = trio.CapacityLimiter(self.config.concurrency)
+
+        async def one(i: int, task: Task) -> None:
+            refs: list[ShardRef] = []
+
+            async def produce(group: Group) -> None:
+                # Before group_end and eviction: the trajectories are still live.
+                trajectories = {t.rollout_id: t for t in group.trajectories()}
+                refs.extend(group_shards(self.store, f"step{step}/{group.group_id}", group.rollouts, trajectories))
+
+            async with limiter:
+                group = await self.engine.run_group(task, self.config.group_size, on_group=produce, group_id=f"s{step}-g{i}")
+            slots[i] = (task.id, refs, tuple(r.reward or 0.0 for r in group.rollouts), sum(r.error is not None for r in group.rollouts))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(n_groups):
+                nursery.start_soon(one, i, next(self._tasks))
+        done = [s for s in slots if s is not None]
+        return Batch(
+            step=step,
+            refs=tuple(ref for s in done for ref in s[1]),
+            rewards=tuple(s[2] for s in done),
+            task_ids=tuple(s[0] for s in done),
+            errors=sum(s[3] for s in done),
+        )
+
+    async def clear_batch(self, batch: Batch | Sequence[ShardRef | str], *, consumers: Sequence[str] = ()) -> DrainReport:
+        """Release the batch everywhere: this process's shard store removes its
+        copies, every consumer (``host:port``) drains exactly those ids, and
+        ``step_end`` fires (a guarded ``malloc_trim`` among its policies).
+
+        Never raises for an unreachable consumer (it is logged): a failing
+        stats call must not break training.
+        """
+        items = list(batch.refs) if isinstance(batch, Batch) else list(batch)
+        report = await clear_batch(items, client=self.http, consumers=consumers, local=self.store)
+        ids = [r.shard_id if isinstance(r, ShardRef) else r for r in items]
+        await self.plugins.fire("step_end", step=batch.step if isinstance(batch, Batch) else self.step - 1, shard_ids=ids)
+        return report
+
+    def stats(self) -> dict[str, Any]:
+        """``shards`` (the store's fetch-buffer stats) and ``engine`` (registry, in-flight)."""
+        return {"shards": self.store.stats(), "engine": self.engine.stats(), "intercepts": self.engine.interceptor.table.stats()}
+
+
+def _cycle(env: Environment) -> Any:
+    while True:
+        empty = True
+        for task in env.tasks():
+            empty = False
+            yield task
+        if empty:
+            raise LowwaterError(f"environment {env.name!r} has no tasks")
+
+
+class SyncLowwater:
+    """:class:`Lowwater` for trainers that are not Trio programs.
+
+    A background thread runs Trio; each method submits the async call to it
+    and blocks the calling thread until it returns (exceptions re-raised).
+    Use as a context manager, or call :meth:`close`.
+
+    Raises:
+        Whatever :meth:`Lowwater.open` raises, from the constructor.
+    """
+
+    def __init__(self, config: TrainerConfig = TrainerConfig()) -> None:
+        self._calls: queue.Queue[Any] = queue.Queue()
+        started: queue.Queue[BaseException | None] = queue.Queue()
+        self._thread = threading.Thread(target=trio.run, args=(self._main, config, started), name="lowwater-trio", daemon=True)
+        self._thread.start()
+        error = started.get()
+        if error is not None:
+            self._thread.join()
+            raise error
+        self._closed = False
+
+    async def _main(self, config: TrainerConfig, started: queue.Queue[BaseException | None]) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._stop = trio.Event()
+        try:
+            async with Lowwater.open(config) as lw:
+                self.lw = lw
+                started.put(None)
+                await self._stop.wait()
+        except BaseException as exc:  # reported to the constructor if startup failed
+            if not hasattr(self, "lw"):
+                started.put(exc)
+                return
+            raise
+
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise EmbeddingClosed("SyncLowwater was closed")
+        return trio.from_thread.run(lambda: fn(*args, **kwargs), trio_token=self._token)
+
+    def next_batch(self, n_groups: int) -> Batch:
+        return self._call(self.lw.next_batch, n_groups)
+
+    def clear_batch(self, batch: Batch | Sequence[ShardRef | str], *, consumers: Sequence[str] = ()) -> DrainReport:
+        return self._call(self.lw.clear_batch, batch, consumers=consumers)
+
+    def stats(self) -> dict[str, Any]:
+        return trio.from_thread.run_sync(self.lw.stats, trio_token=self._token)
+
+    def close(self) -> None:
+        """Shut lowwater down and join its thread (idempotent)."""
+        if self._closed:
+            return
+        trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+        self._thread.join()
+        self._closed = True
+
+    def __enter__(self) -> SyncLowwater:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
