@@ -107,6 +107,19 @@ class Environment:
         """Yield the taskset lazily, in a stable order."""
         raise NotImplementedError
 
+    def task(self, task_id: str | int) -> Task:
+        """The task with ``task_id`` (used to re-run a task from its id alone:
+        a worker pool keeps ids, not payloads).  The default scans
+        :meth:`tasks`; override it when lookup can be direct.
+
+        Raises:
+            KeyError: no such task.
+        """
+        for task in self.tasks():
+            if task.id == task_id:
+                return task
+        raise KeyError(f"environment {self.name!r} has no task {task_id!r}")
+
     async def harness(self, ctx: HarnessContext) -> None:
         """Run the agent for ``ctx.task`` until it answers or ``ctx.max_turns``.
 

@@ -10,6 +10,7 @@ running totals, not results); run metadata is one header line.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections import Counter
@@ -206,7 +207,7 @@ async def run_eval(
                 if config.persistent:
                     from lowwater.runtime import RuntimePool
 
-                    pool = RuntimePool(plugins.runtimes)
+                    pool = RuntimePool(plugins.runtimes, max_size=_pool_size(config))
                 engine = Engine(
                     env, server, plugins, http,
                     harness=config.harness, model=config.model.name, max_turns=config.max_turns,
@@ -277,6 +278,19 @@ async def _one(engine: Engine, task: Task, group_size: int, on_result: Any, limi
     finally:
         for token in tokens:
             limiter.release_on_behalf_of(token)
+
+
+def _pool_size(config: EvalConfig) -> int:
+    """Persistent runtimes the run may hold at once.
+
+    A program harness holds its runtime for the whole rollout, so it needs
+    one per concurrent rollout; an in-process harness takes one only to
+    score (briefly, warm), so a few per core serve any concurrency without
+    keeping a warm interpreter per rollout alive.
+    """
+    if config.harness == "program":
+        return config.concurrency
+    return max(1, min(config.concurrency, 2 * (os.cpu_count() or 1)))
 
 
 def _runtime_config(config: EvalConfig) -> Any:

@@ -60,8 +60,15 @@ class ArithmeticEnvironment(Environment):
 
     def tasks(self) -> Iterator[Task]:
         for index in range(self.size):
-            p = problem(self.seed, index)
-            yield Task(index, p.question, p.answer, {"env_task_id": p.task_id})
+            yield self.task(index)
+
+    def task(self, task_id: str | int) -> Task:
+        """Direct lookup: a task is a pure function of ``(seed, index)``."""
+        index = int(task_id)
+        if not 0 <= index < self.size:
+            raise KeyError(f"arithmetic has no task {task_id!r} (size {self.size})")
+        p = problem(self.seed, index)
+        return Task(index, p.question, p.answer, {"env_task_id": p.task_id})
 
     async def harness(self, ctx: HarnessContext) -> None:
         if ctx.harness == "program":
