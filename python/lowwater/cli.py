@@ -16,6 +16,7 @@ import sys
 # lazily so ``lowwater demo`` never pays for the HTTP stack.
 SUBCOMMANDS = [
     "lowwater.commands.eval",
+    "lowwater.commands.serve_model",
     "lowwater.commands.demo",
     "lowwater.commands.plugins",
 ]

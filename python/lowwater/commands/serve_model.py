@@ -1,0 +1,132 @@
+"""``lowwater serve-model``: a local OpenAI/Anthropic-compatible model for demos, tests and benchmarks.
+
+Prints the bound base URL (``http://HOST:PORT``) alone on the first line of
+stdout, flushed, so a parent process can read it; a description goes to
+stderr.  Serves until Ctrl-C or SIGTERM (exit status 0).  Bad input (a missing or
+malformed replay file, an unknown column, out-of-range numbers, an address
+that cannot be bound) is a one-line :class:`~lowwater.cli.UsageError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "serve-model",
+        help="serve a scripted or replayed model over the OpenAI and Anthropic HTTP APIs",
+        description="Serve a deterministic model at /v1/chat/completions, /v1/responses, /v1/messages "
+        "and /v1/models, streamed and not.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="port to bind (default 0: the OS chooses)")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument(
+        "--scripted", action="store_true",
+        help="solve the embedded arithmetic problems with calculator calls; filler text for anything else",
+    )
+    mode.add_argument(
+        "--replay", metavar="PATH#COLUMN",
+        help="serve recorded solutions: COLUMN of the JSONL file PATH, keyed by question text",
+    )
+    p.add_argument("--latency-ms", type=float, default=0.0, help="delay before each response, ms (default 0)")
+    p.add_argument(
+        "--completion-tokens", type=int, default=16,
+        help="length of the scripted filler answer, tokens (default 16)",
+    )
+    p.add_argument(
+        "--payload-bytes", type=int, default=0,
+        help="add a string field of this many bytes to every response (default 0: none)",
+    )
+    p.set_defaults(func=run)
+    return p
+
+
+def build_model(args: argparse.Namespace) -> Any:
+    """The model the arguments ask for; :class:`~lowwater.cli.UsageError` on bad input."""
+    from lowwater.cli import UsageError
+    from lowwater.serve_model import ReplayDataError, ReplayModel, ScriptedModel
+
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be between 0 and 65535, got {args.port}")
+    if args.latency_ms < 0:
+        raise UsageError(f"--latency-ms must be >= 0, got {args.latency_ms}")
+    if args.completion_tokens < 1:
+        raise UsageError(f"--completion-tokens must be >= 1, got {args.completion_tokens}")
+    if args.payload_bytes < 0:
+        raise UsageError(f"--payload-bytes must be >= 0, got {args.payload_bytes}")
+    latency_s = args.latency_ms / 1000
+    if args.scripted:
+        return ScriptedModel(latency_s=latency_s, completion_tokens=args.completion_tokens, payload_bytes=args.payload_bytes)
+    path, sep, column = args.replay.rpartition("#")
+    if not sep or not path or not column:
+        raise UsageError(f"--replay wants PATH#COLUMN, got {args.replay!r}")
+    try:
+        return ReplayModel.from_jsonl(path, column, latency_s=latency_s, payload_bytes=args.payload_bytes)
+    except ReplayDataError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    import trio
+
+    from lowwater.cli import UsageError
+    from lowwater.serve_model import serve_model
+
+    model = build_model(args)
+    if args.scripted:
+        what = "scripted model (arithmetic problems; filler otherwise)"
+    else:
+        what = f"replay of {model.name.split(':', 1)[1]!r} ({len(model.solutions)} questions)"
+
+    bound = False
+
+    async def main() -> None:
+        nonlocal bound
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_stop_on_sigterm, nursery.cancel_scope)
+            url = await nursery.start(serve_model, model, args.host, args.port)
+            bound = True
+            print(url, flush=True)
+            print(f"lowwater serve-model: {what} at {url} (OpenAI base URL {url}/v1); Ctrl-C to stop",
+                  file=sys.stderr, flush=True)
+
+    try:
+        trio.run(main)
+        print("lowwater serve-model: stopped", file=sys.stderr)
+    except BaseException as exc:  # noqa: BLE001 - sorted below, re-raised unless expected
+        leaves = list(_leaves(exc))
+        if all(isinstance(e, KeyboardInterrupt) for e in leaves):
+            # Ctrl-C is how a server is meant to stop.
+            print("lowwater serve-model: stopped", file=sys.stderr)
+            return 0
+        if not bound and len(leaves) == 1 and isinstance(leaves[0], OSError):
+            err = leaves[0]
+            raise UsageError(f"cannot bind {args.host}:{args.port}: {err.strerror or err}") from None
+        raise
+    return 0
+
+
+async def _stop_on_sigterm(scope: Any) -> None:
+    """SIGTERM (how the eval runner stops its child server) ends the run cleanly, like Ctrl-C."""
+    import signal
+
+    import trio
+
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
+
+
+def _leaves(error: BaseException) -> Iterator[BaseException]:
+    """The exceptions inside (nested) exception groups, or ``error`` itself."""
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield error

@@ -1,0 +1,77 @@
+"""``serve-model``: a local OpenAI- and Anthropic-compatible model server for demos, tests and benchmarks.
+
+Two models, both stateless and deterministic:
+
+* :class:`ScriptedModel` solves the embedded default's arithmetic problems
+  with ``calculator`` tool calls over several turns (anything else gets a
+  fixed filler answer);
+* :class:`ReplayModel` serves recorded solutions (one column of a JSONL file
+  such as GSM8K's ``example_model_solutions.jsonl``), keyed by question text,
+  with calculator annotations turned into tool calls.
+
+Run one inside a Trio nursery::
+
+    url = await nursery.start(serve_model, ScriptedModel())   # "http://127.0.0.1:PORT"
+    # OpenAI SDK: base_url=url + "/v1"; Anthropic SDK: base_url=url
+
+or from the shell with ``lowwater serve-model``.  See ``docs/serve-model.md``.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from lowwater.asgi import serve
+from lowwater.serve_model.app import Model, build_app
+from lowwater.serve_model.replay import ModelError, ReplayDataError, ReplayModel, Reply, ToolCall, UnknownQuestion
+from lowwater.serve_model.scripted import ScriptedModel
+
+__all__ = [
+    "Model",
+    "ModelError",
+    "ReplayDataError",
+    "ReplayModel",
+    "Reply",
+    "ScriptedModel",
+    "ToolCall",
+    "UnknownQuestion",
+    "build_app",
+    "serve_model",
+]
+
+
+async def serve_model(
+    model: Model,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``model`` until cancelled; ``task_status.started`` gets ``"http://HOST:PORT"``.
+
+    Port 0 lets the OS choose.
+
+    Raises:
+        OSError: the address cannot be bound or resolved (the bare error,
+            not Trio's nested exception groups around it).
+    """
+    started = False
+    try:
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(serve, build_app(model), host, port)
+            started = True
+            task_status.started(f"http://{address}")
+    except BaseExceptionGroup as group:
+        error = None if started else _sole_leaf(group)
+        if isinstance(error, OSError):
+            raise error from None
+        raise
+
+
+def _sole_leaf(error: BaseException) -> BaseException | None:
+    """The one exception inside nested exception groups, or ``None`` if there are several."""
+    while isinstance(error, BaseExceptionGroup):
+        if len(error.exceptions) != 1:
+            return None
+        error = error.exceptions[0]
+    return error
