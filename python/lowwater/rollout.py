@@ -91,7 +91,9 @@ def classify(exc: BaseException) -> RolloutError:
         return RolloutError("timeout", message)
     if isinstance(exc, httpx.HTTPError):
         return RolloutError("model", message)
-    runtime_errors = tuple(getattr(runtime_base, n) for n in ("RuntimeStartError",) if hasattr(runtime_base, n))
+    # Provisioning failures and crashed warm workers are the infrastructure's
+    # fault, not the environment's: they are retried under the infra budget.
+    runtime_errors = tuple(getattr(runtime_base, n) for n in ("RuntimeStartError", "WarmWorkerCrashed") if hasattr(runtime_base, n))
     if runtime_errors and isinstance(exc, runtime_errors):
         return RolloutError("infra", message)
     if isinstance(exc, OSError):

@@ -1,0 +1,296 @@
+"""RuntimePool: persistent runtimes, reset between uses, torn down at run end.
+
+Runtimes are keyed by their resolved :class:`RuntimeConfig` (frozen and
+hashable), so two configs that differ only in spelling share runtimes and
+two that differ in substance never do.  The life of a pooled runtime:
+
+``acquire`` -> (idle one that is still ``healthy()``, else a new one:
+factory + ``start``) -> the user runs programs -> ``release`` -> ``reset``
+-> ``healthy()`` -> idle again, or stopped and counted as ``replaced`` when
+reset failed or the health check said no.  ``aclose`` stops every runtime,
+idle or in use, and the stats end at ``idle == in_use == 0``.
+
+Everything the pool does on the way out (reset, stop, bookkeeping) runs
+shielded under a deadline, so a cancelled rollout still returns or stops
+its runtime: the pool never loses track of one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any
+
+import trio
+
+from lowwater.runtime.base import PoolClosed, Runtime, RuntimeConfig, RuntimeStartError
+
+log = logging.getLogger("lowwater.runtime.pool")
+
+Factory = Callable[[RuntimeConfig], Runtime]
+
+
+def _default_factories() -> dict[str, Factory]:
+    from lowwater.runtime.subprocess import SubprocessRuntime
+
+    return {"subprocess": SubprocessRuntime}
+
+
+class _Acquire:
+    """What :meth:`RuntimePool.acquire` returns: await it for a runtime (and
+    call ``release`` yourself), or use it as ``async with`` (released on exit,
+    on every exit path)."""
+
+    def __init__(self, pool: RuntimePool, config: RuntimeConfig) -> None:
+        self._pool = pool
+        self._config = config
+        self._runtime: Runtime | None = None
+
+    def __await__(self) -> Any:
+        return self._pool._acquire(self._config).__await__()
+
+    async def __aenter__(self) -> Runtime:
+        self._runtime = await self._pool._acquire(self._config)
+        return self._runtime
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        runtime, self._runtime = self._runtime, None
+        if runtime is not None:
+            await self._pool.release(runtime)
+
+
+class RuntimePool:
+    """Persistent runtimes keyed by resolved config.
+
+    Args:
+        factories: runtime name -> factory (``Plugins.runtimes``), or one
+            factory for every config; default: the built-in ``subprocess``.
+        max_size: most runtimes in use at once (``None``: unbounded);
+            ``acquire`` waits for a release beyond it.  Also the default
+            for ``max_idle``.
+        max_idle: most idle runtimes kept across all keys; a release beyond
+            it stops the runtime instead.
+        cleanup_timeout_s: bound on one ``reset`` or ``stop`` (seconds).
+    """
+
+    def __init__(
+        self,
+        factories: Mapping[str, Factory] | Factory | None = None,
+        *,
+        max_size: int | None = None,
+        max_idle: int | None = None,
+        cleanup_timeout_s: float = 30.0,
+    ) -> None:
+        if max_size is not None and max_size < 1:
+            raise ValueError("max_size must be >= 1")
+        self._factories = _default_factories() if factories is None else factories
+        self.max_size = max_size
+        self.max_idle = max_idle if max_idle is not None else max_size
+        self.cleanup_timeout_s = cleanup_timeout_s
+        self._limiter = trio.CapacityLimiter(max_size) if max_size is not None else None
+        self._idle: dict[RuntimeConfig, list[Runtime]] = {}
+        self._in_use: dict[int, tuple[Runtime, RuntimeConfig, object]] = {}
+        # Runtimes aclose() stopped while held: their holders' release()
+        # only gives back the limiter token.
+        self._stopped_held: dict[int, tuple[Runtime, RuntimeConfig, object]] = {}
+        self._closed = False
+        self.created = 0
+        self.replaced = 0
+        self.stopped = 0
+        self.start_failures = 0
+
+    # -- stats ---------------------------------------------------------------
+
+    @property
+    def idle(self) -> int:
+        """Runtimes waiting in the pool."""
+        return sum(len(v) for v in self._idle.values())
+
+    @property
+    def in_use(self) -> int:
+        """Runtimes acquired and not yet released."""
+        return len(self._in_use)
+
+    def stats(self) -> dict[str, int]:
+        """``idle``, ``in_use``, ``created``, ``replaced`` (stopped because
+        reset or the health check failed), ``stopped`` (all stops) and
+        ``start_failures``."""
+        return {
+            "idle": self.idle,
+            "in_use": self.in_use,
+            "created": self.created,
+            "replaced": self.replaced,
+            "stopped": self.stopped,
+            "start_failures": self.start_failures,
+        }
+
+    # -- acquire / release ---------------------------------------------------
+
+    def acquire(self, config: RuntimeConfig) -> _Acquire:
+        """A runtime for ``config``: ``rt = await pool.acquire(cfg)`` (then
+        ``await pool.release(rt)``), or ``async with pool.acquire(cfg) as rt``.
+
+        Raises (when awaited or entered):
+            RuntimeStartError: no factory for ``config.kind``, the factory
+                or ``start`` failed (the cause is chained), or the config
+                does not resolve.
+            PoolClosed: after :meth:`aclose`.
+        """
+        return _Acquire(self, config)
+
+    async def _acquire(self, config: RuntimeConfig) -> Runtime:
+        if self._closed:
+            raise PoolClosed("runtime pool is closed")
+        key = config.resolved()
+        token = object()
+        if self._limiter is not None:
+            await self._limiter.acquire_on_behalf_of(token)
+        try:
+            if self._closed:
+                raise PoolClosed("runtime pool is closed")
+            runtime = await self._take_idle(key)
+            if runtime is None:
+                runtime = await self._create(key)
+            if self._closed:  # closed while we waited or started
+                await self._stop(runtime)
+                raise PoolClosed("runtime pool is closed")
+        except BaseException:
+            if self._limiter is not None:
+                self._limiter.release_on_behalf_of(token)
+            raise
+        self._in_use[id(runtime)] = (runtime, key, token)
+        return runtime
+
+    async def _take_idle(self, key: RuntimeConfig) -> Runtime | None:
+        stack = self._idle.get(key)
+        while stack:
+            runtime = stack.pop()  # most recently used: its workers are warmest
+            if not stack:
+                del self._idle[key]
+            if await self._healthy(runtime):
+                return runtime
+            self.replaced += 1
+            await self._stop(runtime)
+            stack = self._idle.get(key)
+        return None
+
+    async def _create(self, key: RuntimeConfig) -> Runtime:
+        factory = self._factory(key)
+        try:
+            runtime = factory(key)
+        except Exception as exc:
+            self.start_failures += 1
+            raise RuntimeStartError(f"runtime {key.kind!r}: factory failed: {exc}") from exc
+        try:
+            await runtime.start()
+        except BaseException as exc:
+            await self._stop(runtime, count=False)
+            if isinstance(exc, Exception):
+                self.start_failures += 1
+                if not isinstance(exc, RuntimeStartError):
+                    raise RuntimeStartError(f"runtime {key.kind!r} failed to start: {exc}") from exc
+            raise
+        self.created += 1
+        return runtime
+
+    def _factory(self, key: RuntimeConfig) -> Factory:
+        if not isinstance(self._factories, Mapping):
+            return self._factories
+        try:
+            return self._factories[key.kind]
+        except KeyError:
+            self.start_failures += 1
+            known = ", ".join(sorted(self._factories)) or "none"
+            raise RuntimeStartError(f"no runtime named {key.kind!r} (registered: {known})") from None
+
+    async def release(self, runtime: Runtime) -> None:
+        """Give ``runtime`` back: reset it and keep it idle if still healthy,
+        else stop it.  Shielded (completes under cancellation); never raises
+        for a failing reset or stop (logged and counted instead).
+
+        Raises:
+            ValueError: ``runtime`` was not acquired from this pool (or was
+                released already).
+        """
+        entry = self._in_use.pop(id(runtime), None)
+        if entry is None:
+            entry = self._stopped_held.pop(id(runtime), None)
+            if entry is not None and entry[0] is runtime:
+                if self._limiter is not None:
+                    self._limiter.release_on_behalf_of(entry[2])
+                return
+        if entry is None or entry[0] is not runtime:
+            raise ValueError("runtime was not acquired from this pool, or was released already")
+        _, key, token = entry
+        try:
+            with trio.CancelScope(shield=True):
+                good = not self._closed and await self._reset(runtime) and await self._healthy(runtime)
+                if not good and not self._closed:
+                    self.replaced += 1
+                # Checked after the awaits: aclose() may have run meanwhile.
+                if good and not self._closed and (self.max_idle is None or self.idle < self.max_idle):
+                    self._idle.setdefault(key, []).append(runtime)
+                else:
+                    await self._stop(runtime)
+        finally:
+            if self._limiter is not None:
+                self._limiter.release_on_behalf_of(token)
+
+    # -- teardown ------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Stop every runtime, idle and in use, concurrently; later
+        ``acquire`` calls raise :class:`PoolClosed`, later ``release`` calls
+        stop nothing more.  Idempotent; shielded."""
+        self._closed = True
+        idle = [rt for stack in self._idle.values() for rt in stack]
+        self._idle.clear()
+        # In-use runtimes are stopped too (the run is over); their holders'
+        # later release() finds them stopped and only balances the limiter.
+        busy = [rt for rt, _, _ in self._in_use.values()]
+        self._stopped_held.update(self._in_use)
+        self._in_use.clear()
+        with trio.CancelScope(shield=True):
+            async with trio.open_nursery() as nursery:
+                for runtime in idle + busy:
+                    nursery.start_soon(self._stop, runtime)
+
+    async def __aenter__(self) -> RuntimePool:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- helpers -------------------------------------------------------------
+
+    async def _reset(self, runtime: Runtime) -> bool:
+        with trio.move_on_after(self.cleanup_timeout_s) as scope:
+            try:
+                await runtime.reset()
+            except Exception:
+                log.warning("runtime reset failed; replacing it", exc_info=True)
+                return False
+        if scope.cancelled_caught:
+            log.warning("runtime reset took over %s s; replacing it", self.cleanup_timeout_s)
+            return False
+        return True
+
+    async def _healthy(self, runtime: Runtime) -> bool:
+        with trio.move_on_after(self.cleanup_timeout_s):
+            try:
+                return bool(await runtime.healthy())
+            except Exception:
+                log.warning("runtime health check raised; replacing it", exc_info=True)
+        return False
+
+    async def _stop(self, runtime: Runtime, *, count: bool = True) -> None:
+        with trio.CancelScope(shield=True), trio.move_on_after(self.cleanup_timeout_s):
+            try:
+                await runtime.stop()
+            except Exception:
+                log.warning("runtime stop failed", exc_info=True)
+        if count:
+            self.stopped += 1
