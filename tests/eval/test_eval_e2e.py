@@ -1,0 +1,153 @@
+"""End to end: ``lowwater eval`` on the embedded default and on a GSM8K slice
+with replay, resume after a kill, bad input, and emptiness of every table."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+import trio
+
+from lowwater.eval import SUMMARY_KEYS, EvalConfig, run_eval
+from lowwater.results import read_rows
+from lowwater.upstream import ModelSpec
+
+GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
+needs_gsm8k = pytest.mark.skipif(not (GSM8K / "test.jsonl").is_file(), reason="../shared/data/gsm8k not present")
+
+
+def lowwater(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lowwater", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def rows_of(path: Path) -> list[dict]:
+    header, rows, torn = read_rows(path)
+    assert header is not None and not torn
+    return rows
+
+
+def test_embedded_default_in_process(tmp_path):
+    config = EvalConfig(rollouts=6, concurrency=3, out=tmp_path / "r.jsonl")
+    report = trio.run(run_eval, config)
+    s = report.summary
+    assert tuple(s) == SUMMARY_KEYS
+    assert s["rollouts"] == 6 and s["completed"] == 6 and s["errors"] == 0
+    assert s["accuracy"] == 1.0 and s["turns_mean"] > 2  # several calculator turns each
+    # Every per-rollout structure ended empty: registry, intercept table, runtimes.
+    assert report.leftovers == {"in_flight": 0, "runtimes": 0, "trajectories": 0, "groups": 0, "turns": 0, "intercepts": 0}
+    rows = rows_of(config.out)
+    assert sorted(r["task_id"] for r in rows) == list(range(6))
+    assert all(r["metrics"]["correct"] and r["turns"] >= 3 for r in rows)
+
+
+def test_groups_write_a_row_per_member(tmp_path):
+    config = EvalConfig(rollouts=2, group_size=3, out=tmp_path / "g.jsonl")
+    report = trio.run(run_eval, config)
+    rows = rows_of(config.out)
+    assert len(rows) == 6 and report.summary["rollouts"] == 6
+    assert len({r["group_id"] for r in rows}) == 2 and all(r["group_id"] for r in rows)
+    assert report.leftovers["trajectories"] == 0 and report.leftovers["groups"] == 0
+
+
+def test_cli_writes_summary_json_and_memory_plot(tmp_path):
+    out = lowwater("eval", "-n", "4", "--out", "r.jsonl", "--summary-json", "s.json", "--memory-plot", "m.png", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    summary = orjson.loads((tmp_path / "s.json").read_bytes())
+    assert tuple(summary) == SUMMARY_KEYS and summary["completed"] == 4
+    assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "accuracy" in out.stdout and "RSS baseline / peak / resting" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["eval", "nope"], "unknown environment 'nope'"),
+        (["eval", "gsm8k"], "gsm8k needs --data"),
+        (["eval", "gsm8k", "--data", "missing.jsonl"], "not found: missing.jsonl"),
+        (["eval", "--model", "NAME", "--model-url", "http://127.0.0.1:9/v1"], "unreachable"),
+        (["eval", "--model", "replay:nothing.jsonl#col"], "no such file"),
+        (["eval", "-c", "0"], "concurrency must be >= 1"),
+        (["eval", "--resume"], "--resume needs --out"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path, args, message):
+    out = lowwater(*args, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in out.stderr
+
+
+def test_malformed_data_line_names_its_number(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": oops}\n')
+    out = lowwater("eval", "gsm8k", "--data", str(data), "--out", "r.jsonl", cwd=tmp_path)
+    assert out.returncode == 2 and "line 2" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_existing_results_are_not_overwritten(tmp_path):
+    assert lowwater("eval", "-n", "2", "--out", "r.jsonl", cwd=tmp_path).returncode == 0
+    before = (tmp_path / "r.jsonl").read_bytes()
+    out = lowwater("eval", "-n", "2", "--out", "r.jsonl", cwd=tmp_path)
+    assert out.returncode == 2 and "--resume" in out.stderr
+    assert (tmp_path / "r.jsonl").read_bytes() == before
+
+
+def test_resume_after_sigkill_has_one_row_per_task(tmp_path):
+    out = tmp_path / "r.jsonl"
+    n = 40
+    proc = subprocess.Popen([sys.executable, "-m", "lowwater", "eval", "-n", str(n), "-c", "2", "--out", str(out), "--no-progress"],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if out.exists() and out.read_bytes().count(b"\n") >= 4:
+                break
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)  # the eval and its serve-model child
+    finally:
+        proc.wait()
+    partial = out.read_bytes().count(b"\n") - 1
+    assert 3 <= partial < n, "the kill should land mid-run"
+    # Simulate the worst case too: a torn last line.
+    with open(out, "ab") as f:
+        f.write(b'{"task_id": 99, "rollout_id": "r-torn", "rew')
+    done = lowwater("eval", "-n", str(n), "-c", "4", "--out", "r.jsonl", "--resume", "--summary-json", "s.json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = rows_of(out)
+    assert sorted(r["task_id"] for r in rows) == list(range(n))  # no loss, no duplicates
+    assert orjson.loads((tmp_path / "s.json").read_bytes())["rollouts"] == n
+
+
+@needs_gsm8k
+@pytest.mark.parametrize(("harness", "n"), [("inprocess", 40), ("program", 6)])
+def test_gsm8k_replay_matches_recorded_labels(tmp_path, harness, n):
+    column = "175b_verification"
+    config = EvalConfig(
+        env="gsm8k", env_options={"data": str(GSM8K / "test.jsonl")}, rollouts=n, concurrency=8, harness=harness,
+        model=ModelSpec("replay", f"replay-{column}", replay_path=GSM8K / "example_model_solutions.jsonl", replay_column=column),
+        out=tmp_path / "g.jsonl",
+    )
+    from lowwater.plugins import load
+
+    plugins = load(disabled=())
+    if "gsm8k" not in plugins.environments:
+        pytest.skip("lowwater-gsm8k is not installed")
+    report = trio.run(lambda: run_eval(config, plugins=plugins))
+    labels = []
+    with open(GSM8K / "example_model_solutions.jsonl", "rb") as f:
+        for _, line in zip(range(n), f):
+            labels.append(orjson.loads(line)[column]["is_correct"])
+    rows = {r["task_id"]: r for r in rows_of(config.out)}
+    assert sorted(rows) == list(range(n))
+    assert all(r["error"] is None for r in rows.values()), [r["error"] for r in rows.values() if r["error"]][:3]
+    agree = sum(rows[i]["metrics"]["correct"] == labels[i] for i in range(n))
+    assert agree == n
+    assert report.summary["accuracy"] == sum(labels) / n
+    assert report.leftovers["trajectories"] == 0 and report.leftovers["intercepts"] == 0
+    assert all(r["turns"] >= 1 for r in rows.values())
