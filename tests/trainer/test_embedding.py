@@ -1,0 +1,57 @@
+"""The embedding API: batches of groups as shards, released everywhere at step end."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import trio
+
+from lowwater.asgi import serve
+from lowwater.embedding import Batch, Lowwater, SyncLowwater, TrainerConfig
+from lowwater.producer import SHARD_NAMES, group_advantages
+from lowwater.shards import ShardConsumer
+
+
+def test_async_steps_leave_store_buffers_and_registry_empty():
+    async def main():
+        async with Lowwater.open(TrainerConfig(group_size=2, concurrency=2)) as lw, \
+                httpx.AsyncClient(timeout=30) as client, trio.open_nursery() as nursery:
+            consumer = ShardConsumer(client)
+            address = await nursery.start(serve, consumer)
+            for step in range(3):
+                batch = await lw.next_batch(3)
+                assert isinstance(batch, Batch) and batch.step == step
+                assert len(batch.refs) == 3 * len(SHARD_NAMES) and batch.errors == 0
+                assert lw.stats()["engine"]["trajectories"] == 0  # evicted once turned into shards
+                assert lw.stats()["shards"]["entries"] == len(batch.refs)
+                views = await consumer.fetch(batch.refs)
+                arrays = [np.frombuffer(v, v.dtype).reshape(v.shape) for v in views]
+                for g in range(3):
+                    ids, logprobs, mask, offsets, rewards, advantages = arrays[g * 6:(g + 1) * 6]
+                    assert ids.dtype == np.int64 and logprobs.dtype == np.float32 and mask.dtype == np.uint8
+                    assert len(ids) == len(logprobs) == len(mask) == offsets[-1] > 0  # token ids were captured
+                    assert list(rewards) == [1.0, 1.0] and list(advantages) == [0.0, 0.0]
+                del views, arrays
+                report = await lw.clear_batch(batch, consumers=[address])
+                assert report.leaked_bytes == 0
+                assert lw.stats()["shards"]["entries"] == 0 and consumer.buffer.stats()["entries"] == 0
+            assert lw.stats()["intercepts"]["entries"] == 0
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_sync_wrapper_for_non_trio_trainers():
+    with SyncLowwater(TrainerConfig(group_size=2)) as lw:
+        batch = lw.next_batch(2)
+        assert len(batch.rewards) == 2 and all(len(r) == 2 for r in batch.rewards)
+        assert lw.stats()["shards"]["bytes"] == batch.nbytes
+        lw.clear_batch(batch)
+        assert lw.stats()["shards"]["bytes"] == 0
+
+
+def test_grpo_advantages():
+    assert group_advantages([1.0, 1.0]) == [0.0, 0.0]
+    adv = group_advantages([1.0, 0.0, 0.0, 1.0])
+    assert np.allclose(adv, [1, -1, -1, 1], atol=1e-5)
+    assert group_advantages([]) == []
