@@ -23,7 +23,7 @@ def run_quick(name: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", ["tables", "trainer_steps", "scoring"])
+@pytest.mark.parametrize("name", ["tables", "trainer_steps", "scoring", "interception", "workers"])
 def test_quick_run_prints_benchmark_json(name):
     line = run_quick(name)
     assert set(line) == {"bench", "commit", "params", "results", "targets"}

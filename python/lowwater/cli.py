@@ -19,6 +19,7 @@ SUBCOMMANDS = [
     "lowwater.commands.serve_model",
     "lowwater.commands.demo",
     "lowwater.commands.plugins",
+    "lowwater.commands.proxy",
 ]
 
 

@@ -96,18 +96,24 @@ def run(args: argparse.Namespace) -> int:
     config = build_config(args)
     console = Console(stderr=True)
     progress = None if args.no_progress or not console.is_terminal else _Progress(console)
+    user_errors = (UnknownName, ResultsFileError, UpstreamError, ValueError, OSError)
     try:
         if progress is None:
             report = trio.run(lambda: eval_mod.run_eval(config))
         else:
             with progress:
                 report = trio.run(lambda: eval_mod.run_eval(config, on_progress=progress.update))
-    except (UnknownName, ResultsFileError, UpstreamError) as exc:
-        raise UsageError(str(exc)) from None
-    except (ValueError, OSError) as exc:
+    except user_errors as exc:
         # Environment options and data files: a missing file or a malformed
         # line is reported by the environment with its path and line number.
         raise UsageError(str(exc)) from None
+    except BaseExceptionGroup as group:
+        # Raised inside the run's nurseries (a data line read mid-run): one
+        # user error is still one line, not a tree of tracebacks.
+        leaf = _single_leaf(group)
+        if isinstance(leaf, user_errors):
+            raise UsageError(str(leaf)) from None
+        raise
     _print_summary(Console(), report, config)
     if args.summary_json is not None:
         args.summary_json.parent.mkdir(parents=True, exist_ok=True)
@@ -115,6 +121,16 @@ def run(args: argparse.Namespace) -> int:
     if args.memory_plot is not None:
         plot_memory(report.memory, args.memory_plot)
     return 0
+
+
+def _single_leaf(group: BaseExceptionGroup) -> BaseException | None:
+    """The one exception a (nested) group wraps, or None if it holds several."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        if len(exc.exceptions) != 1:
+            return None
+        exc = exc.exceptions[0]
+    return exc
 
 
 class _Progress:

@@ -1,0 +1,410 @@
+"""``lowwater proxy``: the interception server as a standalone recording proxy.
+
+Agents call it as they would call the model (OpenAI chat completions and
+responses, Anthropic messages; streamed or not); each rollout's calls are
+recorded as the turns of its trajectory and written out when the rollout is
+closed.  Admin endpoints (JSON; every one requires the admin key, as
+``Authorization: Bearer KEY`` or ``x-api-key: KEY``, when one is set):
+
+* ``POST /lowwater/rollouts`` — open a rollout.  Optional body
+  ``{"rollout_id", "task_id", "group_id"}``.  Answers ``{"rollout_id",
+  "base_url", "anthropic_base_url", "api_key"}``: point ``OPENAI_BASE_URL``
+  at ``base_url`` (it ends in ``/v1``) and ``OPENAI_API_KEY`` at ``api_key``.
+  409 if the id is open already.
+* ``DELETE /lowwater/rollouts/{id}`` — close it: sweep its undelivered
+  calls (their agents get 410 at once), append its trajectory as one JSON
+  line to ``OUT/trajectories.jsonl`` (off the event loop), then evict it.
+  Answers ``{"rollout_id", "turns", "swept"}``; 404 if unknown.
+* ``GET /lowwater/rollouts`` — the open rollout ids.
+* ``GET /lowwater/stats`` — ``intercepts`` (the intercept table's stats),
+  ``open_rollouts``, ``waiting_handlers``, ``calls``, ``upstream`` (the
+  model client's counters) and ``rss_bytes`` (current RSS of the proxy).
+
+The admin key comes from the environment variable ``--admin-key-env``
+(default ``LOWWATER_ADMIN_KEY``); without one the proxy refuses to listen on
+anything but a loopback address.  On shutdown the rollouts still open are
+closed and written like a ``DELETE`` would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import ipaddress
+import logging
+import os
+import resource
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import attrs
+
+log = logging.getLogger("lowwater.proxy")
+
+DEFAULT_LISTEN = "127.0.0.1:8700"
+TRAJECTORIES_FILE = "trajectories.jsonl"
+# Closing the rollouts left open at shutdown may not take longer than this (seconds).
+SHUTDOWN_WRITE_S = 30.0
+
+
+@attrs.frozen
+class ProxyConfig:
+    """Validated ``lowwater proxy`` settings (see :func:`config_from_args`)."""
+
+    upstream: str
+    host: str = "127.0.0.1"
+    port: int = 8700
+    out_dir: Path = Path("lowwater-proxy")
+    admin_key: str | None = None
+    upstream_key: str | None = None
+    model: str | None = None
+    max_concurrency: int = 1024
+    timeout_s: float = 600.0
+    retries: int = 3
+    max_body_bytes: int = 64 << 20
+    request_logprobs: bool = False
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("proxy", help="run the interception server as a standalone recording proxy")
+    p.add_argument("--upstream", required=True, metavar="URL",
+                   help="the model server's base URL, with /v1 (e.g. http://127.0.0.1:8000/v1)")
+    p.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT", help=f"address to serve on (default {DEFAULT_LISTEN})")
+    p.add_argument("--out", default="lowwater-proxy", metavar="DIR",
+                   help=f"directory for {TRAJECTORIES_FILE} (default ./lowwater-proxy)")
+    p.add_argument("--admin-key-env", default="LOWWATER_ADMIN_KEY", metavar="VAR",
+                   help="environment variable holding the admin key (default LOWWATER_ADMIN_KEY)")
+    p.add_argument("--upstream-key-env", metavar="VAR", help="environment variable holding the upstream's API key")
+    p.add_argument("--model", help="replace the model name of every forwarded request")
+    p.add_argument("--max-concurrency", type=int, default=1024, help="upstream requests in flight at once (default 1024)")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="upstream read timeout, seconds (default 600)")
+    p.add_argument("--retries", type=int, default=3, help="retries on connect errors, 429 and 5xx (default 3)")
+    p.add_argument("--max-body-mib", type=float, default=64, help="request body limit, MiB (default 64)")
+    p.add_argument("--request-logprobs", action="store_true",
+                   help="ask the upstream for token ids and logprobs (vLLM/SGLang)")
+    p.set_defaults(func=run)
+    return p
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as ``(host, port)``.
+
+    Raises:
+        lowwater.cli.UsageError: not of that form, or the port is out of range.
+    """
+    from lowwater.cli import UsageError
+
+    host, sep, port = listen.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise UsageError(f"--listen must be HOST:PORT, got {listen!r}")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ProxyConfig:
+    """Validate the flags.
+
+    Raises:
+        lowwater.cli.UsageError: a bad URL, address, number or directory; a
+            non-loopback ``--listen`` without an admin key; an unset
+            ``--upstream-key-env`` variable.
+    """
+    from lowwater.cli import UsageError
+
+    env = os.environ if environ is None else environ
+    url = urlsplit(args.upstream)
+    if url.scheme not in ("http", "https") or not url.netloc:
+        raise UsageError(f"--upstream must be an http(s) URL, got {args.upstream!r}")
+    host, port = parse_listen(args.listen)
+    admin_key = env.get(args.admin_key_env) or None
+    if admin_key is None and not is_loopback(host):
+        raise UsageError(f"refusing to listen on {host} without an admin key: set {args.admin_key_env} "
+                         "(or listen on a loopback address)")
+    upstream_key = None
+    if args.upstream_key_env:
+        upstream_key = env.get(args.upstream_key_env)
+        if not upstream_key:
+            raise UsageError(f"environment variable {args.upstream_key_env} (from --upstream-key-env) is not set")
+    for name in ("max_concurrency", "timeout_s", "max_body_mib"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.retries < 0:
+        raise UsageError(f"--retries must be >= 0, got {args.retries}")
+    out_dir = Path(args.out)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {out_dir}: {exc.strerror}") from None
+    if not os.access(out_dir, os.W_OK):
+        raise UsageError(f"--out {out_dir} is not writable")
+    return ProxyConfig(
+        upstream=args.upstream, host=host, port=port, out_dir=out_dir, admin_key=admin_key,
+        upstream_key=upstream_key, model=args.model, max_concurrency=args.max_concurrency,
+        timeout_s=args.timeout_s, retries=args.retries, max_body_bytes=int(args.max_body_mib * (1 << 20)),
+        request_logprobs=args.request_logprobs,
+    )
+
+
+class Admin:
+    """The ``/lowwater/`` endpoints (an ASGI app mounted on the interception server).
+
+    Owner of the open rollouts' trajectories: one is created at ``POST`` and
+    evicted at ``DELETE`` (or at shutdown) once its line is on disk.
+    """
+
+    def __init__(self, server: Any, out_file: Path, admin_key: str | None) -> None:
+        import trio
+
+        self.server = server
+        self.out_file = out_file
+        self.admin_key = admin_key
+        self.trajectories: dict[str, Any] = {}
+        self._write_lock = trio.Lock()
+        self.written = 0
+        from lowwater.memory import Trimmer
+
+        self.trimmer = Trimmer(min_interval_s=0.0)  # trim_loop paces it
+        self._dirty = trio.Event()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        from lowwater.asgi import handle
+
+        await handle(scope, receive, send, self._route)
+
+    def _check_key(self, scope: Any) -> None:
+        from lowwater.asgi import HTTPError
+
+        if self.admin_key is None:
+            return
+        given = ""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer":
+                    given = token.strip()
+            elif name == b"x-api-key" and not given:
+                given = value.decode("latin-1").strip()
+        if not hmac.compare_digest(given.encode(), self.admin_key.encode()):
+            raise HTTPError(401, "missing or wrong admin key")
+
+    async def _route(self, scope: Any, receive: Any, send: Any) -> None:
+        from lowwater.asgi import HTTPError, parse_json, read_body, send_json
+
+        self._check_key(scope)
+        method, path = scope["method"], scope["path"].rstrip("/")
+        if path == "/lowwater/stats":
+            if method != "GET":
+                raise HTTPError(405, "use GET")
+            return await send_json(send, 200, self.stats())
+        if path == "/lowwater/rollouts":
+            if method == "GET":
+                return await send_json(send, 200, {"rollouts": sorted(self.trajectories)})
+            if method != "POST":
+                raise HTTPError(405, "use POST to open a rollout")
+            raw = await read_body(receive, 1 << 20)
+            options = parse_json(raw) if raw.strip() else {}
+            return await send_json(send, 200, self.open(options, _host(scope)))
+        if path.startswith("/lowwater/rollouts/"):
+            if method != "DELETE":
+                raise HTTPError(405, "use DELETE to close a rollout")
+            rollout_id = unquote(path.removeprefix("/lowwater/rollouts/"))
+            return await send_json(send, 200, await self.close(rollout_id))
+        raise HTTPError(404, f"no endpoint {method} {path}")
+
+    def open(self, options: Any, host: str | None) -> dict[str, Any]:
+        """Register a rollout; :class:`~lowwater.asgi.HTTPError` 400/409 on bad options."""
+        from lowwater.asgi import HTTPError
+        from lowwater.trajectory import Trajectory
+
+        if not isinstance(options, dict):
+            raise HTTPError(400, "body must be a JSON object")
+        rollout_id = options.get("rollout_id") or uuid.uuid4().hex
+        task_id = options.get("task_id", "")
+        group_id = options.get("group_id")
+        if not isinstance(rollout_id, str) or "/" in rollout_id:
+            raise HTTPError(400, "rollout_id must be a string without '/'")
+        if not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
+            raise HTTPError(400, "task_id must be a string or an integer")
+        if group_id is not None and not isinstance(group_id, str):
+            raise HTTPError(400, "group_id must be a string")
+        if rollout_id in self.trajectories:
+            raise HTTPError(409, f"rollout {rollout_id} is already open")
+        trajectory = Trajectory(rollout_id, task_id, group_id)
+        slot = self.server.register(trajectory)
+        self.trajectories[rollout_id] = trajectory
+        # The agent reaches the proxy the way the admin client did.
+        root = f"http://{host}" if host else self.server.url
+        return {"rollout_id": rollout_id, "base_url": f"{root}/v1", "anthropic_base_url": root, "api_key": slot.secret}
+
+    async def close(self, rollout_id: str) -> dict[str, Any]:
+        """Unregister, write the trajectory's line, evict; :class:`~lowwater.asgi.HTTPError` 404 if unknown."""
+        import trio
+
+        from lowwater.asgi import HTTPError
+
+        trajectory = self.trajectories.get(rollout_id)
+        if trajectory is None:
+            raise HTTPError(404, f"no open rollout {rollout_id}")
+        turns = len(trajectory.turns)
+        swept = self.server.unregister(rollout_id)
+        # Shielded: a client that gives up on the DELETE must not leave the
+        # trajectory half-closed (unregistered but never written or evicted).
+        with trio.CancelScope(shield=True):
+            try:
+                async with self._write_lock:
+                    await trio.to_thread.run_sync(_append_line, self.out_file, trajectory)
+                self.written += 1
+            except OSError as exc:
+                log.error("rollout %s: writing its trajectory failed: %s", rollout_id, exc)
+                raise HTTPError(500, f"could not write the trajectory: {exc}") from None
+            finally:
+                del self.trajectories[rollout_id]  # evicted on every path
+                self._dirty.set()
+        return {"rollout_id": rollout_id, "turns": turns, "swept": swept}
+
+    async def trim_loop(self) -> None:
+        """Give freed memory back to the OS after closes: off the loop, at most once a second,
+        and once more after the last close of a burst.
+
+        glibc keeps freed heap pages (a closed rollout's turns, its table
+        entry, its connection's buffers) unless trimmed: after 16,384
+        rollouts were closed the proxy stayed 600 MB over its baseline
+        without this.
+        """
+        import trio
+
+        while True:
+            await self._dirty.wait()
+            self._dirty = trio.Event()
+            await trio.to_thread.run_sync(self.trimmer)
+            await trio.sleep(1.0)
+
+    async def close_all(self) -> int:
+        """Close every open rollout (at shutdown); returns how many were written."""
+        from lowwater.asgi import HTTPError
+
+        written = 0
+        for rollout_id in list(self.trajectories):
+            try:
+                await self.close(rollout_id)
+                written += 1
+            except HTTPError:
+                pass
+        return written
+
+    def stats(self) -> dict[str, Any]:
+        from lowwater.memory import rss_bytes
+
+        stats = self.server.stats()
+        upstream = self.server.upstream
+        return {**stats, "upstream": upstream.stats() if upstream is not None else None,
+                "written": self.written, "trims": self.trimmer.calls, "rss_bytes": rss_bytes()}
+
+
+def _host(scope: Any) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"host":
+            return value.decode("latin-1")
+    return None
+
+
+def _append_line(path: Path, trajectory: Any) -> None:
+    """Serialise and append one JSON line (runs in a worker thread: large dumps must not stall the loop)."""
+    import orjson
+
+    line = orjson.dumps(trajectory.to_json(), option=orjson.OPT_NON_STR_KEYS) + b"\n"
+    with open(path, "ab") as f:
+        f.write(line)
+
+
+async def serve_proxy(config: ProxyConfig, *, task_status: Any = None) -> None:
+    """Run the proxy until cancelled; ``task_status.started`` gets its root URL.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    import trio
+
+    from lowwater.interception import InterceptionServer
+    from lowwater.model import ModelClient
+
+    async with ModelClient(config.upstream, api_key=config.upstream_key, model=config.model,
+                           max_concurrency=config.max_concurrency, timeout_s=config.timeout_s,
+                           retries=config.retries) as client:
+        server = InterceptionServer(client, max_body_bytes=config.max_body_bytes,
+                                    request_logprobs=config.request_logprobs)
+        admin = Admin(server, config.out_dir / TRAJECTORIES_FILE, config.admin_key)
+        server.mount("/lowwater/", admin)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(admin.trim_loop)
+                url = await nursery.start(server.run, config.host, config.port)
+                if task_status is not None:
+                    task_status.started(url)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(SHUTDOWN_WRITE_S):
+                written = await admin.close_all()
+                if written:
+                    log.warning("shutdown: wrote %d rollouts that were still open", written)
+
+
+def raise_open_file_limit() -> int:
+    """Raise the soft open-file limit to the hard one (each open call holds
+    two sockets); returns the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return hard
+    return soft
+
+
+def run(args: argparse.Namespace) -> int:
+    import trio
+
+    config = config_from_args(args)
+    raise_open_file_limit()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(serve_proxy, config)
+            admin = "admin key required" if config.admin_key else "no admin key (loopback only)"
+            print(f"lowwater proxy: listening on {url} -> {config.upstream}; "
+                  f"admin at {url}/lowwater/ ({admin}); trajectories to {config.out_dir / TRAJECTORIES_FILE}",
+                  file=sys.stderr, flush=True)
+
+    try:
+        trio.run(main)
+    except (OSError, BaseExceptionGroup) as exc:
+        from lowwater.cli import UsageError
+
+        if isinstance(exc, BaseExceptionGroup) and exc.subgroup(KeyboardInterrupt) is not None:
+            raise KeyboardInterrupt from None  # Ctrl-C, wrapped by Trio's nurseries: cli reports it
+        error = _first_os_error(exc)
+        if error is None:
+            raise
+        raise UsageError(f"cannot listen on {config.host}:{config.port}: {error.strerror or error}") from None
+    return 0
+
+
+def _first_os_error(exc: BaseException) -> OSError | None:
+    """The bind error inside Trio's (possibly nested) exception groups."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _first_os_error(inner)
+            if found is not None:
+                return found
+    return None

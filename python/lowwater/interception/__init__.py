@@ -1,0 +1,37 @@
+"""Interception: the OpenAI/Anthropic-compatible proxy that records an agent's model calls.
+
+* :class:`InterceptionServer` — the server (``url = await nursery.start(server.run)``),
+  ``register``/``unregister`` per rollout, ``stats``.
+* :mod:`.protocols` — the wire protocols (``openai.chat``, ``openai.responses``,
+  ``anthropic.messages``) and the :class:`Protocol` base for plugins.
+* :mod:`.slots` — per-rollout slots (base URL, secret, waiting handlers).
+* :mod:`.sse` — server-sent event parsing and encoding.
+
+See ``docs/interception.md``.
+"""
+
+from lowwater.interception.protocols import (
+    AnthropicMessages,
+    Completion,
+    OpenAIChat,
+    OpenAIResponses,
+    Protocol,
+    Request,
+    StreamAccumulator,
+    builtin_protocols,
+)
+from lowwater.interception.server import InterceptionServer
+from lowwater.interception.slots import Slot
+
+__all__ = [
+    "AnthropicMessages",
+    "Completion",
+    "InterceptionServer",
+    "OpenAIChat",
+    "OpenAIResponses",
+    "Protocol",
+    "Request",
+    "Slot",
+    "StreamAccumulator",
+    "builtin_protocols",
+]

@@ -1,0 +1,458 @@
+"""Wire protocols of the interception server.
+
+A :class:`Protocol` knows one endpoint's wire format.  It validates a
+request (:class:`~lowwater.asgi.HTTPError` 400 with a reason), names the
+messages a turn's delta is computed from, optionally rewrites the body sent
+upstream (model override, logprob capture), and turns an upstream answer,
+whole or streamed, into what the turn records: completion, finish reason,
+usage, token ids and logprobs.  It also knows its error shapes, so the
+agent's SDK reads a proxy error the way it reads the real API's.
+
+The built-in three (``openai.chat``, ``openai.responses``,
+``anthropic.messages``) are registered as an ordinary plugin
+(:mod:`lowwater.interception.plugin`); third parties add more through the
+``register_protocols`` hook by subclassing :class:`Protocol`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import orjson
+
+from lowwater.asgi import HTTPError
+from lowwater.interception.sse import encode
+
+Json = dict[str, Any]
+
+
+@attrs.frozen
+class Request:
+    """What the server needs of a validated request.
+
+    Attributes:
+        model: the model the agent asked for.
+        stream: whether the agent asked for an SSE stream.
+        messages: the messages (or input items) the turn's delta is taken
+            from; references into the parsed body, not copies.
+    """
+
+    model: str
+    stream: bool
+    messages: list[Any]
+
+
+@attrs.define
+class Completion:
+    """What a turn records of an answer (see :class:`lowwater.trajectory.Turn`).
+
+    ``error`` is set when the upstream itself reported a failure inside an
+    otherwise well-formed answer (an SSE ``error`` event, a failed response).
+    """
+
+    completion: Any = None
+    finish_reason: str | None = None
+    usage: Json | None = None
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    error: str | None = None
+
+
+class StreamAccumulator:
+    """Builds a turn from SSE events, one :meth:`feed` per event, in order."""
+
+    def feed(self, event: str | None, data: str) -> bool:
+        """Take one event; True if it is the protocol's terminal event.
+
+        May raise any exception on a malformed event (the server records
+        the turn as an error and breaks the agent's stream).
+        """
+        raise NotImplementedError
+
+    def result(self) -> Completion:
+        """The turn's fields from everything fed so far."""
+        raise NotImplementedError
+
+
+class Protocol:
+    """Base class of a wire protocol: set ``name`` and ``path``, implement the methods.
+
+    Attributes:
+        name: unique protocol name (``"openai.chat"``); recorded on each turn
+            and in the intercept table.
+        path: the route (``"/v1/chat/completions"``); the upstream gets the
+            same path under its own base URL.
+        error_flavour: ``"openai"`` or ``"anthropic"``: the shape of error
+            bodies and error events (:meth:`error_body`, :meth:`error_event`).
+    """
+
+    name = ""
+    path = ""
+    error_flavour = "openai"
+
+    def parse(self, body: Any) -> Request:
+        """Validate a decoded request body.
+
+        Raises:
+            HTTPError: 400 naming the missing or mistyped field.
+        """
+        raise NotImplementedError
+
+    def upstream_body(self, body: Json, *, model: str | None, logprobs: bool) -> Json | None:
+        """The body to forward, or ``None`` to forward the agent's raw bytes unchanged.
+
+        ``model`` replaces the requested model (``None``: keep it);
+        ``logprobs`` asks the upstream for token ids and logprobs where the
+        protocol has a way to (the base class has none).
+        """
+        if model is None or body.get("model") == model:
+            return None
+        return {**body, "model": model}
+
+    def completion(self, answer: Any) -> Completion:
+        """The turn's fields from a decoded non-streamed answer (tolerant of odd shapes)."""
+        raise NotImplementedError
+
+    def accumulator(self) -> StreamAccumulator:
+        """A fresh accumulator for one streamed answer."""
+        raise NotImplementedError
+
+    def error_body(self, status: int, reason: str) -> Json:
+        """The JSON error body for ``status`` in this protocol's shape."""
+        if self.error_flavour == "anthropic":
+            return {"type": "error", "error": {"type": _ANTHROPIC_ERRORS.get(status, "api_error"), "message": reason}}
+        return {"error": {"message": reason, "type": _OPENAI_ERRORS.get(status, "api_error"), "param": None, "code": status}}
+
+    def error_event(self, reason: str) -> bytes:
+        """An SSE event that makes the agent's SDK raise (sent before breaking a stream)."""
+        if self.error_flavour == "anthropic":
+            return encode({"type": "error", "error": {"type": "api_error", "message": reason}}, "error")
+        # The OpenAI SDKs raise on any event whose data has an "error" key.
+        return encode({"type": "error", "error": {"message": reason, "type": "api_error", "code": None}}, "error")
+
+
+_OPENAI_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                  409: "conflict_error", 410: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+_ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                     413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}
+
+
+# --- validation helpers --------------------------------------------------------
+
+
+def _bad(reason: str) -> HTTPError:
+    return HTTPError(400, reason)
+
+
+def _object(body: Any) -> Json:
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object")
+    return body
+
+
+def _string(body: Json, key: str) -> str:
+    value = body.get(key)
+    if value is None:
+        raise _bad(f"missing field {key!r}")
+    if not isinstance(value, str):
+        raise _bad(f"field {key!r} must be a string")
+    return value
+
+
+def _stream_flag(body: Json) -> bool:
+    stream = body.get("stream")
+    if stream is None:
+        return False
+    if not isinstance(stream, bool):
+        raise _bad("field 'stream' must be a boolean")
+    return stream
+
+
+def _messages(body: Json, roles: tuple[str, ...]) -> list[Any]:
+    messages = body.get("messages")
+    if messages is None:
+        raise _bad("missing field 'messages'")
+    if not isinstance(messages, list):
+        raise _bad("field 'messages' must be a list of message objects")
+    if not messages:
+        raise _bad("field 'messages' must not be empty")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}] must be an object")
+        if m.get("role") not in roles:
+            raise _bad(f"messages[{i}].role must be one of {', '.join(roles)}")
+    return messages
+
+
+def _dict(value: Any) -> Json:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _ids_and_logprobs(entries: list[Any], ids: Any = None) -> tuple[list[int] | None, list[float] | None]:
+    """Token ids and logprobs from OpenAI-format logprob entries.
+
+    Ids come from the upstream's ``token_ids`` (vLLM's ``return_token_ids``)
+    when present, else from tokens spelled ``token_id:N`` (vLLM's
+    ``return_tokens_as_token_ids``); text tokens give logprobs without ids.
+    """
+    entries = [e for e in entries if isinstance(e, dict)]
+    logprobs = [float(e.get("logprob", 0.0)) for e in entries] or None
+    if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+        return list(ids), logprobs
+    if not entries:
+        return None, None
+    parsed = []
+    for e in entries:
+        token = e.get("token")
+        if not (isinstance(token, str) and token.startswith("token_id:") and token[9:].isdigit()):
+            return None, logprobs
+        parsed.append(int(token[9:]))
+    return parsed, logprobs
+
+
+# --- OpenAI chat completions -----------------------------------------------------
+
+_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+class OpenAIChat(Protocol):
+    """OpenAI chat completions, ``POST /v1/chat/completions``; terminal event ``data: [DONE]``."""
+
+    name = "openai.chat"
+    path = "/v1/chat/completions"
+
+    def parse(self, body: Any) -> Request:
+        body = _object(body)
+        return Request(_string(body, "model"), _stream_flag(body), _messages(body, _CHAT_ROLES))
+
+    def upstream_body(self, body: Json, *, model: str | None, logprobs: bool) -> Json | None:
+        out = super().upstream_body(body, model=model, logprobs=logprobs)
+        if logprobs and not (body.get("logprobs") is True and body.get("return_token_ids") is True):
+            # vLLM and SGLang answer with completion token ids and their logprobs.
+            out = {**(out or body), "logprobs": True, "return_token_ids": True}
+        return out
+
+    def completion(self, answer: Any) -> Completion:
+        answer = _dict(answer)
+        choice = _dict((_list(answer.get("choices")) or [None])[0])
+        ids, logprobs = _ids_and_logprobs(_list(_dict(choice.get("logprobs")).get("content")), choice.get("token_ids"))
+        return Completion(choice.get("message"), choice.get("finish_reason"), answer.get("usage"), ids, logprobs)
+
+    def accumulator(self) -> StreamAccumulator:
+        return _ChatStream()
+
+
+class _ChatStream(StreamAccumulator):
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.tool_calls: dict[int, Json] = {}
+        self.out = Completion()
+        self.entries: list[Any] = []
+        self.ids: list[int] = []
+        self.ids_seen = False
+
+    def feed(self, event: str | None, data: str) -> bool:
+        if data.strip() == "[DONE]":
+            return True
+        chunk = _dict(orjson.loads(data))
+        if chunk.get("error"):
+            error = chunk["error"]
+            self.out.error = str(_dict(error).get("message") or error)
+        if chunk.get("usage"):
+            self.out.usage = chunk["usage"]
+        for choice in _list(chunk.get("choices")):
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = _dict(choice.get("delta"))
+            if isinstance(delta.get("content"), str):
+                self.content.append(delta["content"])
+            if isinstance(delta.get("reasoning_content"), str):
+                self.reasoning.append(delta["reasoning_content"])
+            for tc in _list(delta.get("tool_calls")):
+                tc = _dict(tc)
+                slot = self.tool_calls.setdefault(
+                    tc.get("index", 0), {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+                )
+                if tc.get("id"):
+                    slot["id"] = tc["id"]
+                fn = _dict(tc.get("function"))
+                slot["function"]["name"] += fn.get("name") or ""
+                slot["function"]["arguments"] += fn.get("arguments") or ""
+            if choice.get("finish_reason"):
+                self.out.finish_reason = choice["finish_reason"]
+            self.entries += _list(_dict(choice.get("logprobs")).get("content"))
+            if isinstance(choice.get("token_ids"), list):
+                self.ids_seen = True
+                self.ids += choice["token_ids"]
+        return False
+
+    def result(self) -> Completion:
+        message: Json = {"role": "assistant", "content": "".join(self.content) if self.content else None}
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        if self.tool_calls:
+            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        self.out.completion = message
+        self.out.token_ids, self.out.logprobs = _ids_and_logprobs(self.entries, self.ids if self.ids_seen else None)
+        return self.out
+
+
+# --- OpenAI responses ------------------------------------------------------------
+
+_RESPONSES_TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
+_LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+class OpenAIResponses(Protocol):
+    """OpenAI responses, ``POST /v1/responses``; terminal event ``response.completed``
+    (or ``response.incomplete`` / ``response.failed``)."""
+
+    name = "openai.responses"
+    path = "/v1/responses"
+
+    def parse(self, body: Any) -> Request:
+        body = _object(body)
+        model = _string(body, "model")
+        items = body.get("input")
+        if items is None:
+            raise _bad("missing field 'input'")
+        if isinstance(items, str):
+            messages: list[Any] = [{"role": "user", "content": items}]
+        elif isinstance(items, list) and items:
+            for i, item in enumerate(items):
+                if not isinstance(item, dict):
+                    raise _bad(f"input[{i}] must be an object")
+            messages = items
+        else:
+            raise _bad("field 'input' must be a string or a non-empty list of input items")
+        return Request(model, _stream_flag(body), messages)
+
+    def upstream_body(self, body: Json, *, model: str | None, logprobs: bool) -> Json | None:
+        out = super().upstream_body(body, model=model, logprobs=logprobs)
+        include = body.get("include")
+        if logprobs and isinstance(include, (list, type(None))) and _LOGPROBS_INCLUDE not in (include or []):
+            out = {**(out or body), "include": [*(include or []), _LOGPROBS_INCLUDE]}
+        return out
+
+    def completion(self, answer: Any) -> Completion:
+        answer = _dict(answer)
+        entries: list[Any] = []
+        for item in _list(answer.get("output")):
+            for part in _list(_dict(item).get("content")):
+                entries += _list(_dict(part).get("logprobs"))
+        ids, logprobs = _ids_and_logprobs(entries)
+        status = answer.get("status")
+        reason = _dict(answer.get("incomplete_details")).get("reason") if status == "incomplete" else None
+        error = None
+        if status == "failed":
+            error = str(_dict(answer.get("error")).get("message") or "the upstream response failed")
+        return Completion(answer.get("output"), reason or status, answer.get("usage"), ids, logprobs, error)
+
+    def accumulator(self) -> StreamAccumulator:
+        return _ResponsesStream(self)
+
+
+class _ResponsesStream(StreamAccumulator):
+    def __init__(self, protocol: OpenAIResponses) -> None:
+        self.protocol = protocol
+        self.out = Completion()
+
+    def feed(self, event: str | None, data: str) -> bool:
+        obj = _dict(orjson.loads(data))
+        kind = obj.get("type") or event
+        if kind in _RESPONSES_TERMINAL:
+            self.out = self.protocol.completion(obj.get("response"))
+            return True
+        if kind == "error":
+            self.out.error = str(obj.get("message") or _dict(obj.get("error")).get("message") or "upstream error event")
+        return False
+
+    def result(self) -> Completion:
+        return self.out
+
+
+# --- Anthropic messages ------------------------------------------------------------
+
+
+class AnthropicMessages(Protocol):
+    """Anthropic messages, ``POST /v1/messages``; terminal event ``message_stop``."""
+
+    name = "anthropic.messages"
+    path = "/v1/messages"
+    error_flavour = "anthropic"
+
+    def parse(self, body: Any) -> Request:
+        body = _object(body)
+        model = _string(body, "model")
+        max_tokens = body.get("max_tokens")
+        if max_tokens is None:
+            raise _bad("missing field 'max_tokens'")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise _bad("field 'max_tokens' must be a positive integer")
+        system = body.get("system")
+        if system is not None and not isinstance(system, (str, list)):
+            raise _bad("field 'system' must be a string or a list of text blocks")
+        return Request(model, _stream_flag(body), _messages(body, ("user", "assistant")))
+
+    def completion(self, answer: Any) -> Completion:
+        answer = _dict(answer)
+        return Completion(answer.get("content"), answer.get("stop_reason"), answer.get("usage"))
+
+    def accumulator(self) -> StreamAccumulator:
+        return _MessagesStream()
+
+
+class _MessagesStream(StreamAccumulator):
+    def __init__(self) -> None:
+        self.blocks: dict[int, Json] = {}
+        self.json_parts: dict[int, list[str]] = {}
+        self.out = Completion(usage={})
+
+    def feed(self, event: str | None, data: str) -> bool:
+        obj = _dict(orjson.loads(data))
+        kind = obj.get("type") or event
+        if kind == "message_start":
+            self.out.usage = dict(_dict(_dict(obj.get("message")).get("usage")))
+        elif kind == "content_block_start":
+            self.blocks[obj.get("index", 0)] = dict(_dict(obj.get("content_block")))
+        elif kind == "content_block_delta":
+            i, delta = obj.get("index", 0), _dict(obj.get("delta"))
+            block = self.blocks.setdefault(i, {"type": "text", "text": ""})
+            step = delta.get("type")
+            if step == "text_delta":
+                block["text"] = block.get("text", "") + (delta.get("text") or "")
+            elif step == "thinking_delta":
+                block["thinking"] = block.get("thinking", "") + (delta.get("thinking") or "")
+            elif step == "signature_delta":
+                block["signature"] = delta.get("signature")
+            elif step == "input_json_delta":
+                self.json_parts.setdefault(i, []).append(delta.get("partial_json") or "")
+        elif kind == "message_delta":
+            self.out.finish_reason = _dict(obj.get("delta")).get("stop_reason")
+            self.out.usage = {**(self.out.usage or {}), **_dict(obj.get("usage"))}
+        elif kind == "error":
+            self.out.error = str(_dict(obj.get("error")).get("message") or "upstream error event")
+        elif kind == "message_stop":
+            return True
+        return False
+
+    def result(self) -> Completion:
+        for i, parts in self.json_parts.items():
+            text = "".join(parts)
+            try:
+                self.blocks[i]["input"] = orjson.loads(text) if text else {}
+            except orjson.JSONDecodeError:
+                self.blocks[i]["input"] = text  # kept as sent: the trajectory shows what the model produced
+        self.out.completion = [self.blocks[i] for i in sorted(self.blocks)]
+        return self.out
+
+
+def builtin_protocols() -> list[Protocol]:
+    """Fresh instances of the three built-in protocols."""
+    return [OpenAIChat(), OpenAIResponses(), AnthropicMessages()]

@@ -1,0 +1,578 @@
+"""The interception server: an OpenAI/Anthropic-compatible proxy that records
+each model call of a rollout as a turn and holds its request body for exactly
+the life of the call.
+
+Per call (DESIGN.md section 4, step 4): authenticate the rollout's secret,
+put the raw body in the :class:`~lowwater.InterceptTable`, forward it
+upstream, append the turn to the trajectory, deliver the answer (relaying
+SSE as it arrives and holding the terminal event until the turn is
+recorded), and discard the intercept in ``finally``.  A peer kept every
+intercepted body (the full history with base64 images) until its rollout
+ended and ran out of memory within a few training steps (DESIGN.md
+section 1).  Here the agent's bytes live once, in the table: the upstream
+request is sent from a zero-copy view of the table entry, and of the parsed
+body only the turn's message delta outlives the parse.
+
+:meth:`InterceptionServer.unregister` sweeps a rollout's undelivered
+intercepts and cancels every handler still serving it: a handler that has
+not answered yet answers 410 at once, a stream already under way gets an
+error event and is broken off.  No handler waits on a rollout that is gone.
+
+Status codes the agent can see: 400 (malformed JSON, a missing or mistyped
+field), 401 (missing or unknown secret), 404/405 (no such route or method),
+410 (the rollout was closed), 413 (body over ``max_body_bytes``), 503 (the
+intercept table is full), the upstream's own 4xx (429 with its
+``retry-after``), 502 (upstream unreachable, 5xx after retries, or a
+malformed answer) and 504 (upstream timeout).  None is a 500.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import httpx
+import orjson
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve as hypercorn_serve
+
+from lowwater._native import BufferFull, InterceptTable, RolloutClosed
+from lowwater.asgi import HTTPError, Receive, Scope, Send, lifespan
+from lowwater.interception.protocols import Completion, Protocol, builtin_protocols
+from lowwater.interception.slots import Slot, SlotRegistry, new_secret
+from lowwater.interception.sse import SSEParser
+from lowwater.model import Answer, ModelClient, read_answer
+from lowwater.trajectory import Trajectory, Turn
+
+log = logging.getLogger("lowwater.interception")
+
+DEFAULT_MAX_BODY_BYTES = 64 << 20
+# Request headers that change what the upstream does, passed on as sent.
+_FORWARD_HEADERS = (b"anthropic-version", b"anthropic-beta", b"openai-beta")
+# After a 413, the rest of the body is read and thrown away (up to this long)
+# so the client, still writing, reads the 413 instead of a connection reset.
+_DRAIN_S = 5.0
+# A send to the client is never interrupted by a rollout's cancellation: a
+# cancel that lands inside hypercorn's ``send`` leaves the keep-alive
+# connection half-written, and the agent's next request on it was never
+# answered (found as a hung ``lowwater eval``).  A client that reads nothing
+# for this long is cut off instead.
+SEND_TIMEOUT_S = 60.0
+
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class InterceptionServer:
+    """The interception server, an ASGI app served by hypercorn on Trio.
+
+    Start it in a nursery, then register rollouts::
+
+        server = InterceptionServer(ModelClient("http://127.0.0.1:8000/v1"))
+        url = await nursery.start(server.run)          # "http://127.0.0.1:PORT"
+        slot = server.register(trajectory)             # slot.base_url, slot.secret
+        ...                                            # the agent calls slot.base_url
+        server.unregister(trajectory.rollout_id)
+
+    Args:
+        upstream: the default :class:`~lowwater.model.ModelClient`; a slot
+            may be given its own at :meth:`register`.
+        protocols: the wire protocols to route (default: the three built-ins).
+        table: the intercept table (default: a new unbounded one).
+        max_body_bytes: request bodies above this are refused with 413 (bytes).
+        request_logprobs: ask the upstream for token ids and logprobs where
+            the protocol allows (chat: ``logprobs`` + ``return_token_ids``,
+            vLLM/SGLang; responses: ``include`` output logprobs).  Trainers
+            need them; a hosted API may refuse the extra fields.
+
+    Attributes:
+        table: the :class:`~lowwater.InterceptTable` (entries live for one call).
+        url: ``http://HOST:PORT`` once :meth:`run` has started, else ``""``.
+        routes: protocol by path.
+
+    Raises:
+        ValueError: two protocols share a name or a path.
+    """
+
+    def __init__(
+        self,
+        upstream: ModelClient | None = None,
+        *,
+        protocols: Sequence[Protocol] | None = None,
+        table: InterceptTable | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        request_logprobs: bool = False,
+    ) -> None:
+        self.upstream = upstream
+        self.table = table if table is not None else InterceptTable()
+        self.max_body_bytes = max_body_bytes
+        self.request_logprobs = request_logprobs
+        self.routes: dict[str, Protocol] = {}
+        names: set[str] = set()
+        for protocol in protocols if protocols is not None else builtin_protocols():
+            if protocol.path in self.routes or protocol.name in names:
+                raise ValueError(f"protocol {protocol.name!r} ({protocol.path}) clashes with one already given")
+            self.routes[protocol.path.rstrip("/")] = protocol
+            names.add(protocol.name)
+        self.url = ""
+        self.slots = SlotRegistry()
+        self._mounts: list[tuple[str, App]] = []
+        self._watchers: trio.Nursery | None = None
+        # Request ids: unique per server and cheap (uuid4 reads os.urandom per call).
+        self._id_prefix = uuid.uuid4().hex[:12]
+        self._ids = itertools.count()
+        self.calls = {"total": 0, "ok": 0, "failed": 0, "closed": 0, "disconnected": 0}
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def run(
+        self, host: str = "127.0.0.1", port: int = 0, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve until cancelled; ``task_status.started`` gets ``"http://HOST:PORT"``.
+
+        Port 0 lets the OS choose.  Cancelling the enclosing scope stops the
+        server and every handler (each discards its intercept on the way out).
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        config = Config()
+        config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+        config.accesslog = None
+        config.errorlog = logging.getLogger("lowwater.http")
+        # Agents keep connections between turns; a turn may take minutes.
+        config.keep_alive_timeout = 75
+        config.h11_max_incomplete_size = 64 * 1024
+        # Thousands of rollouts may connect at once (hypercorn's default
+        # backlog is 100; the kernel caps it at net.core.somaxconn).
+        config.backlog = 4096
+
+        async def _serve(*, task_status: trio.TaskStatus[list[str]]) -> None:
+            await hypercorn_serve(self, config, task_status=task_status)  # type: ignore[arg-type]
+
+        async with trio.open_nursery() as nursery:
+            self._watchers = nursery
+            binds: list[str] = await nursery.start(_serve)
+            self.url = "http://" + binds[0].split("://", 1)[1]
+            task_status.started(self.url)
+
+    def register(self, trajectory: Trajectory, *, upstream: ModelClient | None = None) -> Slot:
+        """Open a slot for ``trajectory``'s rollout (and the rollout in the table).
+
+        Returns the :class:`Slot`: ``base_url`` (``http://HOST:PORT/v1``),
+        ``secret``, ``rollout_id``.
+
+        Raises:
+            KeyError: the rollout is already registered.
+            RuntimeError: the server is not running yet (no URL), or no
+                upstream was given here or at construction.
+        """
+        if not self.url:
+            raise RuntimeError("the interception server is not running (await nursery.start(server.run) first)")
+        client = upstream or self.upstream
+        if client is None:
+            raise RuntimeError("no upstream ModelClient: give one to InterceptionServer() or register()")
+        slot = Slot(trajectory.rollout_id, f"{self.url}/v1", new_secret(), trajectory, client)
+        self.slots.add(slot)
+        self.table.open_rollout(slot.rollout_id)
+        return slot
+
+    def unregister(self, rollout_id: str) -> int:
+        """Close a rollout's slot at once.
+
+        Sweeps its undelivered intercepts from the table, forgets its secret
+        (later calls get 401), and cancels every handler serving it: each
+        answers 410 (or breaks its stream) without waiting for the upstream.
+        Idempotent.
+
+        Returns:
+            How many undelivered intercepts were swept.
+        """
+        slot = self.slots.pop(rollout_id)
+        swept = len(self.table.close_rollout(rollout_id))
+        if slot is not None:
+            slot.close()
+        return swept
+
+    def stats(self) -> dict[str, Any]:
+        """``intercepts`` (the table's stats), ``open_rollouts``, ``waiting_handlers``
+        (calls being served now) and ``calls`` (counters since start: ``total``,
+        ``ok``, ``failed``, ``closed`` by unregister, ``disconnected`` clients)."""
+        return {
+            "intercepts": self.table.stats(),
+            "open_rollouts": len(self.slots),
+            "waiting_handlers": self.slots.waiting(),
+            "calls": dict(self.calls),
+        }
+
+    def mount(self, prefix: str, app: App) -> None:
+        """Route requests whose path starts with ``prefix`` to another ASGI ``app``
+        (``lowwater proxy`` mounts its admin endpoints at ``/lowwater/``)."""
+        self._mounts.append((prefix, app))
+
+    # -- ASGI ----------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            return await lifespan(receive, send)
+        if scope["type"] != "http":
+            return
+        send = _shielded(send)
+        path = scope["path"].rstrip("/") or "/"
+        for prefix, app in self._mounts:
+            if path.startswith(prefix.rstrip("/")):
+                return await app(scope, receive, send)
+        protocol = self.routes.get(path)
+        try:
+            await self._route(scope, receive, send, path, protocol)
+        except HTTPError as err:
+            await _send_error(send, protocol, err)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send, path: str, protocol: Protocol | None) -> None:
+        method = scope["method"]
+        if path == "/v1/models":
+            if method != "GET":
+                raise HTTPError(405, f"{path} takes GET, not {method}")
+            slot = self._authenticate(scope)
+            name = slot.upstream.model or "lowwater-upstream"
+            model = {"id": name, "object": "model", "type": "model", "created": 0, "owned_by": "lowwater",
+                     "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
+            return await _send_json(send, 200, {"object": "list", "data": [model], "has_more": False,
+                                                "first_id": name, "last_id": name})
+        if protocol is None:
+            raise HTTPError(404, f"no endpoint {method} {path}")
+        if method != "POST":
+            raise HTTPError(405, f"{path} takes POST, not {method}")
+        # Authenticate before reading the body: a stranger's 60 MiB is refused unread.
+        slot = self._authenticate(scope)
+        body = await _read_body(receive, self.max_body_bytes)
+        call = self._parse(scope, protocol, slot, body)
+        self._insert(call, body)
+        del body  # the table holds the agent's bytes from here on
+        try:
+            await self._serve(call, receive, send)
+        finally:
+            self.table.discard(call.request_id)
+
+    def _authenticate(self, scope: Scope) -> Slot:
+        """The slot whose secret the request carries; :class:`HTTPError` 401 otherwise."""
+        found: Slot | None = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                secret = token.strip() if scheme.lower() == "bearer" else ""
+            elif name == b"x-api-key":
+                secret = value.decode("latin-1").strip()
+            else:
+                continue
+            slot = self.slots.by_secret(secret) if secret else None
+            if slot is not None:
+                if found is not None and found is not slot:
+                    raise HTTPError(401, "the request carries the keys of two different rollouts")
+                found = slot
+        if found is None:
+            raise HTTPError(401, "missing or unknown API key for this interception server")
+        return found
+
+    def _parse(self, scope: Scope, protocol: Protocol, slot: Slot, body: bytes) -> _Call:
+        """Decode and validate ``body``; :class:`HTTPError` 400 naming the problem."""
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise HTTPError(400, f"malformed JSON: {exc}") from None
+        request = protocol.parse(payload)
+        rewritten = protocol.upstream_body(
+            payload, model=slot.upstream.model, logprobs=self.request_logprobs
+        ) if isinstance(payload, dict) else None
+        headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in _FORWARD_HEADERS}
+        return _Call(f"{self._id_prefix}-{next(self._ids)}", protocol, slot, request.model, request.stream, request.messages,
+                     orjson.dumps(rewritten) if rewritten is not None else None, headers)
+
+    def _insert(self, call: _Call, body: bytes) -> None:
+        self.calls["total"] += 1
+        try:
+            self.table.insert(call.request_id, call.slot.rollout_id, body, protocol=call.protocol.name, stream=call.stream)
+        except RolloutClosed:
+            self.calls["closed"] += 1
+            raise HTTPError(410, f"rollout {call.slot.rollout_id} is closed") from None
+        except BufferFull:
+            self.calls["failed"] += 1
+            raise HTTPError(503, "the intercept table is full; retry later", retry_after="1") from None
+
+    # -- one call ---------------------------------------------------------------------
+
+    async def _serve(self, call: _Call, receive: Receive, send: Send) -> None:
+        """Forward, record, deliver; answer at once if the rollout closes or the client leaves."""
+        slot = call.slot
+        # Of the parsed body only the delta outlives this line (the rest is
+        # the history earlier turns recorded, base64 images included).
+        call.delta = slot.trajectory.message_delta(call.messages)
+        call.messages = []
+        scope = trio.CancelScope()
+        slot.handlers.add(scope)
+        if slot.closed:  # unregistered while the body was read (and re-registered since)
+            scope.cancel()
+        failure: HTTPError | None = None
+        # The watcher lives in the server's nursery, not in one per call (a
+        # nursery per call cost ~5 % of the proxy's throughput); it ends when
+        # hypercorn reports the stream closed, which it does for every response.
+        assert self._watchers is not None, "the server is not running"
+        self._watchers.start_soon(_watch_disconnect, receive, scope, call)
+        try:
+            with scope:
+                try:
+                    if call.stream:
+                        await self._forward_stream(call, send)
+                    else:
+                        await self._forward(call, send)
+                except HTTPError as err:
+                    failure = err
+        finally:
+            call.done = True
+            slot.handlers.discard(scope)
+        if call.disconnected:
+            self.calls["disconnected"] += 1
+            if not call.recorded:
+                self._record(call, None, "the client disconnected before the answer was complete")
+        elif scope.cancelled_caught:
+            self.calls["closed"] += 1
+            reason = f"rollout {slot.rollout_id} was closed during the call"
+            if not call.started:
+                await _send_error(send, call.protocol, HTTPError(410, reason))
+            elif not call.finished:
+                await _break_stream(send, call.protocol, reason)
+        elif failure is not None:
+            self.calls["failed"] += 1
+            await _send_error(send, call.protocol, failure)
+        else:
+            self.calls["ok" if call.error is None else "failed"] += 1
+
+    def _body(self, call: _Call) -> Any:
+        """What goes upstream: the rewritten body, or a zero-copy view of the table entry."""
+        if call.forward is not None:
+            return call.forward
+        view = self.table.get(call.request_id)
+        if view is None:  # swept by unregister in the same tick; the cancel is on its way
+            raise HTTPError(410, f"rollout {call.slot.rollout_id} is closed")
+        return view
+
+    def _delivered(self, call: _Call) -> None:
+        """Discard the intercept as the last bytes are handed over: by the time
+        the agent holds its answer the body is gone, so an unregister right
+        after it sweeps nothing (``finally`` discards on every other path)."""
+        self.table.discard(call.request_id)
+
+    def _record(self, call: _Call, done: Completion | None, error: str | None) -> None:
+        """Append the call's turn to the trajectory (once)."""
+        if call.recorded or call.slot.closed:
+            return  # a closed rollout's trajectory is no longer ours to write
+        call.recorded = True
+        call.error = error
+        done = done or Completion()
+        trajectory = call.slot.trajectory
+        trajectory.add_turn(Turn(
+            index=len(trajectory.turns), protocol=call.protocol.name, model=call.model, request_delta=call.delta,
+            completion=done.completion, finish_reason=done.finish_reason, usage=done.usage,
+            token_ids=done.token_ids, logprobs=done.logprobs, started_s=call.wall_s,
+            duration_s=time.perf_counter() - call.started_s, streamed=call.stream, error=error,
+        ))
+
+    async def _forward(self, call: _Call, send: Send) -> None:
+        try:
+            answer = await call.slot.upstream.post(call.protocol.path, self._body(call), call.headers)
+        except httpx.HTTPError as exc:
+            raise self._upstream_failed(call, exc) from None
+        if answer.status >= 300:
+            return await self._relay_error(call, answer, send)
+        try:
+            done = call.protocol.completion(orjson.loads(answer.content))
+        except Exception as exc:  # noqa: BLE001 - any malformed answer (or a plugin's parser bug) is the upstream's 502
+            self._record(call, None, f"upstream answer malformed: {type(exc).__name__}: {exc}")
+            raise HTTPError(502, "the upstream's answer is not a valid response object") from None
+        self._record(call, done, done.error)
+        # Finished as the last bytes are handed over: hypercorn reports a
+        # disconnect as soon as a response ends, which is not a client leaving.
+        call.started = call.finished = True
+        self._delivered(call)
+        await _send_bytes(send, answer.status, answer.content, answer.content_type)
+
+    async def _forward_stream(self, call: _Call, send: Send) -> None:
+        protocol = call.protocol
+        accumulator = protocol.accumulator()
+        parser = SSEParser()
+        held: list[bytes] = []  # the terminal event, and anything after it
+        terminal = False
+        error: str | None = None
+        try:
+            async with call.slot.upstream.stream(protocol.path, self._body(call), call.headers) as response:
+                if response.status_code >= 300:
+                    return await self._relay_error(call, await read_answer(response), send)
+                await send({"type": "http.response.start", "status": 200, "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]})
+                call.started = True
+                try:
+                    async for chunk in response.aiter_bytes():
+                        relay = []
+                        for event in parser.feed(chunk):
+                            if terminal:
+                                held.append(event.raw)
+                            elif accumulator.feed(event.event, event.data):
+                                terminal = True
+                                held.append(event.raw)  # held until the turn is recorded
+                            else:
+                                relay.append(event.raw)
+                        if relay:
+                            await send({"type": "http.response.body", "body": b"".join(relay), "more_body": True})
+                    for event in parser.finish():
+                        if not terminal and accumulator.feed(event.event, event.data):
+                            terminal = True
+                        held.append(event.raw)
+                except httpx.TimeoutException as exc:
+                    error = f"upstream stream timed out: {type(exc).__name__}"
+                except httpx.HTTPError as exc:
+                    error = f"upstream stream cut: {type(exc).__name__}: {exc}"
+        except httpx.HTTPError as exc:
+            raise self._upstream_failed(call, exc) from None
+        except HTTPError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a malformed event (or a plugin's parser bug)
+            if not call.started:
+                raise
+            error = f"upstream sent a malformed event: {type(exc).__name__}: {exc}"
+        if error is None and not terminal:
+            error = "upstream stream ended before its terminal event"
+        try:
+            done: Completion | None = accumulator.result()
+        except Exception as exc:  # noqa: BLE001
+            done, error = None, error or f"upstream stream malformed: {type(exc).__name__}: {exc}"
+        self._record(call, done, error or (done.error if done else None))
+        if error is not None:
+            # Not an empty success: the SDK raises on the error event, and a
+            # raw client sees the chunked body end without its terminator.
+            return await _break_stream(send, protocol, error)
+        call.finished = True
+        self._delivered(call)
+        await send({"type": "http.response.body", "body": b"".join(held), "more_body": False})
+
+    async def _relay_error(self, call: _Call, answer: Answer, send: Send) -> None:
+        """Pass an upstream 4xx on as is (with ``retry-after``); a 5xx becomes 502."""
+        self._record(call, None, f"upstream answered {answer.status}")
+        if answer.status >= 500 or not answer.content_type.startswith("application/json"):
+            raise HTTPError(502 if answer.status >= 500 else answer.status,
+                            f"upstream answered {answer.status}: {answer.content[:200].decode('utf-8', 'replace')}")
+        call.started = call.finished = True
+        self._delivered(call)
+        headers = [("retry-after", answer.retry_after)] if answer.retry_after else []
+        await _send_bytes(send, answer.status, answer.content, answer.content_type, headers)
+
+    def _upstream_failed(self, call: _Call, exc: httpx.HTTPError) -> HTTPError:
+        self._record(call, None, f"upstream: {type(exc).__name__}: {exc}")
+        if isinstance(exc, httpx.TimeoutException):
+            return HTTPError(504, f"upstream timed out: {type(exc).__name__}")
+        return HTTPError(502, f"upstream unreachable: {type(exc).__name__}")
+
+
+class _Call:
+    """One call's state, shared by the handler, the disconnect watcher and the recorder."""
+
+    __slots__ = ("request_id", "protocol", "slot", "model", "stream", "messages", "forward", "headers", "delta",
+                 "started_s", "wall_s", "started", "finished", "done", "disconnected", "recorded", "error")
+
+    def __init__(self, request_id: str, protocol: Protocol, slot: Slot, model: str, stream: bool,
+                 messages: list[Any], forward: bytes | None, headers: dict[str, str]) -> None:
+        self.request_id = request_id
+        self.protocol = protocol
+        self.slot = slot
+        self.model = model
+        self.stream = stream
+        self.messages = messages
+        self.forward = forward
+        self.headers = headers
+        self.delta: list[Any] = []
+        self.started_s = time.perf_counter()
+        self.wall_s = time.time()
+        self.started = False  # response headers sent
+        self.finished = False  # response complete
+        self.done = False  # the handler is past its call
+        self.disconnected = False
+        self.recorded = False
+        self.error: str | None = None
+
+
+def _shielded(send: Send) -> Send:
+    """``send`` run to completion under a shield, bounded by :data:`SEND_TIMEOUT_S`.
+
+    A pending cancel is delivered at the handler's next checkpoint, i.e. on
+    a message boundary, where hypercorn's connection state stays consistent.
+    """
+
+    async def shielded_send(message: dict[str, Any]) -> None:
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + SEND_TIMEOUT_S):
+            await send(message)
+
+    return shielded_send
+
+
+async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, call: _Call) -> None:
+    """Cancel the call when the client goes away; closing the upstream response stops the generation."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    if not (call.finished or call.done):
+        call.disconnected = True
+        scope.cancel()
+
+
+async def _read_body(receive: Receive, limit_bytes: int) -> bytes:
+    """The whole request body.
+
+    Raises:
+        HTTPError: 413 past ``limit_bytes`` (after draining the rest, so the
+            client reads the answer), 400 if the client left mid-body.
+    """
+    chunks: list[bytes] = []
+    size = 0
+    more = True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise HTTPError(400, "client disconnected before the body was complete")
+        chunk = message.get("body", b"")
+        more = message.get("more_body", False)
+        size += len(chunk)
+        if size > limit_bytes:
+            chunks.clear()
+            with trio.move_on_after(_DRAIN_S):
+                while more and (message := await receive())["type"] != "http.disconnect":
+                    more = message.get("more_body", False)
+            raise HTTPError(413, f"body over the limit of {limit_bytes} bytes")
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _send_bytes(send: Send, status: int, body: bytes, content_type: str,
+                      headers: Sequence[tuple[str, str]] = ()) -> None:
+    raw = [(b"content-type", content_type.encode("latin-1")), (b"content-length", str(len(body)).encode())]
+    raw += [(k.encode(), v.encode("latin-1")) for k, v in headers]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_json(send: Send, status: int, payload: Any) -> None:
+    await _send_bytes(send, status, orjson.dumps(payload), "application/json")
+
+
+async def _send_error(send: Send, protocol: Protocol | None, err: HTTPError) -> None:
+    """``err`` as a JSON error body in the protocol's shape (OpenAI's when unknown)."""
+    body = (protocol or Protocol()).error_body(err.status, err.reason)
+    headers = [("retry-after", str(err.extra["retry_after"]))] if "retry_after" in err.extra else []
+    await _send_bytes(send, err.status, orjson.dumps(body), "application/json", headers)
+
+
+async def _break_stream(send: Send, protocol: Protocol, reason: str) -> None:
+    """Send an error event and return without ending the body: hypercorn then
+    closes the connection mid-chunked-body, which every HTTP client reports."""
+    await send({"type": "http.response.body", "body": protocol.error_event(reason), "more_body": True})

@@ -1,0 +1,431 @@
+"""The upstream model client: one shared ``httpx.AsyncClient`` per upstream, on Trio.
+
+* Concurrency is bounded by a :class:`trio.CapacityLimiter` *outside* httpx
+  (cancellation-safe and FIFO): httpcore's pool misbehaves when many
+  requests wait on it and are cancelled.  Its pool also costs
+  O(connections²) per request (``_assign_requests_to_connections`` counts
+  every connection for every idle one): at 256 requests in flight, 256
+  answers arriving together took 4.3 s of CPU in that one function (8.5 M
+  ``is_idle`` calls; ``benches/interception.py``).  So the client's
+  transport is :class:`FreeListTransport`, a free list of httpcore
+  connections with O(1) checkout and return, no bound of its own.
+* Connect errors, 429 and 5xx answers are retried with jittered
+  exponential backoff, only before the response is handed to the caller
+  (nothing has been relayed to the agent yet; a stream already relayed
+  cannot be replayed).  A numeric ``Retry-After`` is honoured.
+* Timeouts are per request: ``connect_timeout_s`` to connect, ``timeout_s``
+  for every read and write (so a stream may run long, but a silent
+  upstream is cut after ``timeout_s``).
+* Cancellation reaches the upstream: the response (or the pending request)
+  is closed, which closes its connection, so the inference server sees the
+  disconnect and stops generating.
+
+Bodies are read with ``aiter_bytes`` into plain ``bytes``: a non-streamed
+httpx ``Response`` keeps its body in reference cycles until the cyclic GC
+runs (see ``shards.py``), which a proxy of large answers cannot afford.
+"""
+
+from __future__ import annotations
+
+import random
+import ssl
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+
+import attrs
+import httpcore
+import httpx
+import trio
+
+#: Statuses retried before any byte reached the agent (529: Anthropic "overloaded").
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504, 529})
+# Errors raised before a response exists, so a retry cannot duplicate output
+# the agent saw.  A read timeout is not among them: retrying it would
+# multiply the time an agent waits on a stuck upstream.
+_RETRY_ERRORS = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.RemoteProtocolError,
+    httpx.ReadError,
+    httpx.WriteError,
+    httpx.PoolTimeout,
+)
+
+
+@attrs.frozen
+class Answer:
+    """A whole upstream answer.
+
+    Attributes:
+        status: the HTTP status.
+        content_type: its ``content-type`` (``application/json`` if absent).
+        content: the decoded body bytes.
+        retry_after: the upstream's ``retry-after`` header, if any (passed on with a 429).
+    """
+
+    status: int
+    content_type: str
+    content: bytes
+    retry_after: str | None = None
+
+
+class _BufferContent:
+    """An ``httpx`` request body over any buffer (e.g. an intercept table view), without a copy.
+
+    It lets go of the buffer once sent: httpx keeps a request (and so its
+    body stream) in reference cycles with its response, which would keep an
+    intercept's payload alive after its discard until the cyclic GC ran.
+    Each attempt of a retry gets a fresh wrapper.
+    """
+
+    def __init__(self, buffer: Any) -> None:
+        self._buffer = buffer
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        buffer, self._buffer = self._buffer, None
+        if buffer is None:
+            return
+        with memoryview(buffer) as view:
+            yield view  # type: ignore[misc]
+
+
+# httpcore's errors as httpx's (what httpx's own transport does), most specific first.
+_ERRORS: tuple[tuple[type[Exception], type[httpx.HTTPError]], ...] = (
+    (httpcore.ConnectTimeout, httpx.ConnectTimeout),
+    (httpcore.ReadTimeout, httpx.ReadTimeout),
+    (httpcore.WriteTimeout, httpx.WriteTimeout),
+    (httpcore.PoolTimeout, httpx.PoolTimeout),
+    (httpcore.TimeoutException, httpx.TimeoutException),
+    (httpcore.ConnectError, httpx.ConnectError),
+    (httpcore.ReadError, httpx.ReadError),
+    (httpcore.WriteError, httpx.WriteError),
+    (httpcore.NetworkError, httpx.NetworkError),
+    (httpcore.RemoteProtocolError, httpx.RemoteProtocolError),
+    (httpcore.LocalProtocolError, httpx.LocalProtocolError),
+    (httpcore.ProtocolError, httpx.ProtocolError),
+    (httpcore.UnsupportedProtocol, httpx.UnsupportedProtocol),
+)
+
+
+@contextmanager
+def _httpx_errors() -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:
+        for theirs, ours in _ERRORS:
+            if isinstance(exc, theirs):
+                raise ours(str(exc)) from exc
+        raise
+
+
+class FreeListTransport(httpx.AsyncBaseTransport):
+    """An httpx transport over a free list of keep-alive httpcore connections (Trio only).
+
+    Checkout pops the most recently used idle connection (dropping expired
+    or server-closed ones) or opens a new one; closing a response returns
+    its connection if it is idle again (body fully read), else the
+    connection is gone.  Every step is O(1) in the number of connections.
+    There is no bound: the caller's limiter bounds concurrency.
+
+    Args:
+        max_idle: idle connections kept; more are closed on return.
+        keepalive_expiry_s: an idle connection older than this is not reused (seconds).
+    """
+
+    def __init__(self, *, max_idle: int = 1024, keepalive_expiry_s: float = 5.0) -> None:
+        self.max_idle = max_idle
+        self.keepalive_expiry_s = keepalive_expiry_s
+        self._idle: dict[tuple[bytes, bytes, int], list[httpcore.AsyncHTTPConnection]] = {}
+        self._idle_count = 0
+        self._ssl: ssl.SSLContext | None = None
+        self.opened = 0
+
+    def _checkout(self, origin: httpcore.Origin, stale: list[httpcore.AsyncHTTPConnection]) -> httpcore.AsyncHTTPConnection:
+        idle = self._idle.get((origin.scheme, origin.host, origin.port))
+        while idle:
+            connection = idle.pop()
+            self._idle_count -= 1
+            if connection.is_idle() and not connection.has_expired():
+                return connection
+            stale.append(connection)  # expired, or closed by the server while idle
+        if origin.scheme == b"https" and self._ssl is None:
+            import certifi
+
+            self._ssl = ssl.create_default_context(cafile=certifi.where())
+        self.opened += 1
+        return httpcore.AsyncHTTPConnection(origin, ssl_context=self._ssl, keepalive_expiry=self.keepalive_expiry_s)
+
+    def _checkin(self, connection: httpcore.AsyncHTTPConnection, origin: httpcore.Origin) -> bool:
+        if not connection.is_idle():
+            return False
+        if self._idle_count >= self.max_idle:
+            return False
+        self._idle.setdefault((origin.scheme, origin.host, origin.port), []).append(connection)
+        self._idle_count += 1
+        return True
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        port = url.port or (443 if url.scheme == "https" else 80)
+        origin = httpcore.Origin(url.raw_scheme, url.raw_host, port)
+        core = httpcore.Request(
+            method=request.method,
+            url=httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=port, target=url.raw_path),
+            headers=request.headers.raw,
+            content=request.stream,  # type: ignore[arg-type]
+            extensions=request.extensions,
+        )
+        stale: list[httpcore.AsyncHTTPConnection] = []
+        connection = self._checkout(origin, stale)
+        if stale:
+            with trio.CancelScope(shield=True):
+                for old in stale:
+                    await old.aclose()
+        try:
+            with _httpx_errors():
+                response = await connection.handle_async_request(core)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await connection.aclose()
+            raise
+        return httpx.Response(
+            status_code=response.status,
+            headers=response.headers,
+            stream=_ResponseStream(response.stream, self, connection, origin),  # type: ignore[arg-type]
+            extensions=response.extensions,
+        )
+
+    async def aclose(self) -> None:
+        idle, self._idle, self._idle_count = self._idle, {}, 0
+        with trio.CancelScope(shield=True):
+            for connections in idle.values():
+                for connection in connections:
+                    await connection.aclose()
+
+
+class _ResponseStream(httpx.AsyncByteStream):
+    def __init__(self, stream: Any, pool: FreeListTransport, connection: httpcore.AsyncHTTPConnection,
+                 origin: httpcore.Origin) -> None:
+        self._stream = stream
+        self._pool = pool
+        self._connection: httpcore.AsyncHTTPConnection | None = connection
+        self._origin = origin
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        with _httpx_errors():
+            async for part in self._stream:
+                yield part
+
+    async def aclose(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        # Shielded: closing an unfinished response closes its socket, which is
+        # how a cancelled call reaches the upstream; it must not be skipped.
+        with trio.CancelScope(shield=True):
+            with _httpx_errors():
+                await self._stream.aclose()
+            if not self._pool._checkin(connection, self._origin):
+                await connection.aclose()
+
+
+class ModelClient:
+    """A connection to one OpenAI/Anthropic-compatible inference server.
+
+    Args:
+        base_url: the server's base URL including ``/v1``, as the OpenAI SDK
+            expects (``http://127.0.0.1:8000/v1``).
+        api_key: sent as ``Authorization: Bearer`` and ``x-api-key``
+            (replacing the agent's per-rollout secret); ``None``: no key.
+        model: if set, replaces the ``model`` field of every forwarded request.
+        max_concurrency: requests in flight at once (the limiter outside httpx).
+        max_keepalive: idle connections kept for reuse (default: ``max_concurrency``).
+        timeout_s: per-request read/write timeout (seconds).
+        connect_timeout_s: connect timeout (seconds).
+        retries: extra attempts after a connect error, 429 or 5xx.
+        backoff_s: base of the exponential backoff (seconds); attempt ``n``
+            waits a uniform draw in ``[0, min(max_backoff_s, backoff_s * 2**n)]``
+            ("full jitter", AWS Architecture Blog, "Exponential Backoff And
+            Jitter", 2015), so retrying agents do not synchronise.
+        max_backoff_s: bound of one backoff, and of an honoured ``Retry-After`` (seconds).
+
+    Raises:
+        ValueError: ``max_concurrency < 1``, ``retries < 0`` or a negative time.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        model: str | None = None,
+        max_concurrency: int = 1024,
+        max_keepalive: int | None = None,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        retries: int = 3,
+        backoff_s: float = 0.25,
+        max_backoff_s: float = 30.0,
+    ) -> None:
+        if max_concurrency < 1 or retries < 0:
+            raise ValueError(f"max_concurrency must be >= 1 and retries >= 0, got {max_concurrency}, {retries}")
+        if min(timeout_s, connect_timeout_s, backoff_s, max_backoff_s) < 0:
+            raise ValueError("times must be >= 0")
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.model = model
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.limiter = trio.CapacityLimiter(max_concurrency)
+        self.transport = FreeListTransport(max_idle=max_concurrency if max_keepalive is None else max_keepalive)
+        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s).as_dict()
+        # Relayed bytes must be what the agent can read without our
+        # content-encoding header: ask for none.
+        self._headers = {"content-type": "application/json", "accept-encoding": "identity"}
+        if api_key:
+            self._headers["authorization"] = f"Bearer {api_key}"
+            self._headers["x-api-key"] = api_key
+        self._urls: dict[str, httpx.URL] = {}
+        self.requests = 0
+        self.retried = 0
+
+    def url(self, path: str) -> str:
+        """The upstream URL of an interception path such as ``/v1/chat/completions``."""
+        return self.base_url + path.removeprefix("/v1")
+
+    async def _send(self, method: str, path: str, body: Any, headers: Mapping[str, str], timeout_s: float | None) -> httpx.Response:
+        """One attempt, straight to the transport.
+
+        ``httpx.AsyncClient.send`` would add cookie extraction, redirect and
+        auth handling and per-call URL and header merging: 0.6 ms of the
+        proxy's ~3.8 ms of CPU per call at concurrency 64, for nothing a
+        model API uses.
+        """
+        url = self.url(path)
+        parsed = self._urls.get(url)
+        if parsed is None:
+            parsed = self._urls[url] = httpx.URL(url)
+        timeout = self._timeout if timeout_s is None else httpx.Timeout(timeout_s).as_dict()
+        content = body if isinstance(body, bytes) or body is None else _BufferContent(body)
+        request = httpx.Request(method, parsed, headers=headers, content=content, extensions={"timeout": timeout})
+        response = await self.transport.handle_async_request(request)
+        response.request = request
+        return response
+
+    def _delay(self, attempt: int) -> float:
+        return random.uniform(0.0, min(self.max_backoff_s, self.backoff_s * (2**attempt)))
+
+    @asynccontextmanager
+    async def stream(
+        self, path: str, body: Any, headers: Mapping[str, str] | None = None, *, timeout_s: float | None = None
+    ) -> AsyncIterator[httpx.Response]:
+        """POST ``body`` (bytes or any buffer) to ``path``; yield the response before its body is read.
+
+        A connect error, 429 or 5xx is retried (up to ``retries`` times)
+        before yielding; the last attempt's response is yielded whatever its
+        status.  The limiter slot is held while the response is open and
+        released during backoff.  The response is closed when the block
+        exits, including on cancellation, which aborts the upstream request.
+
+        Raises:
+            httpx.HTTPError: the last attempt's transport error, or a
+                timeout (``httpx.TimeoutException``).
+        """
+        hdrs = {**self._headers, **(headers or {})}
+        if not isinstance(body, bytes):
+            hdrs["content-length"] = str(memoryview(body).nbytes)
+        attempt = 0
+        while True:
+            # A token, not the task: a task may hold several calls (nested
+            # harness calls), which ``async with limiter`` would refuse.
+            token = object()
+            await self.limiter.acquire_on_behalf_of(token)
+            try:
+                self.requests += 1
+                try:
+                    response = await self._send("POST", path, body, hdrs, timeout_s)
+                except _RETRY_ERRORS:
+                    if attempt >= self.retries:
+                        raise
+                    delay = self._delay(attempt)
+                else:
+                    if response.status_code in RETRY_STATUSES and attempt < self.retries:
+                        delay = _retry_after(response, self.max_backoff_s) or self._delay(attempt)
+                        await response.aclose()
+                    else:
+                        try:
+                            yield response
+                        finally:
+                            await response.aclose()
+                        return
+            finally:
+                self.limiter.release_on_behalf_of(token)
+            attempt += 1
+            self.retried += 1
+            await trio.sleep(delay)
+
+    async def post(
+        self, path: str, body: Any, headers: Mapping[str, str] | None = None, *, timeout_s: float | None = None
+    ) -> Answer:
+        """POST ``body`` and read the whole answer (retried as :meth:`stream` is).
+
+        Raises:
+            httpx.HTTPError: as :meth:`stream`, or while reading the body.
+        """
+        async with self.stream(path, body, headers, timeout_s=timeout_s) as response:
+            return await read_answer(response)
+
+    async def get(self, path: str) -> Answer:
+        """GET an upstream path such as ``/v1/models`` (no retries).
+
+        Raises:
+            httpx.HTTPError: a transport error or timeout.
+        """
+        token = object()
+        await self.limiter.acquire_on_behalf_of(token)
+        try:
+            response = await self._send("GET", path, None, self._headers, None)
+            try:
+                return await read_answer(response)
+            finally:
+                await response.aclose()
+        finally:
+            self.limiter.release_on_behalf_of(token)
+
+    def stats(self) -> dict[str, int]:
+        """``requests`` (attempts sent), ``retried``, ``in_flight`` (limiter slots held),
+        ``connections_opened`` (since start)."""
+        return {"requests": self.requests, "retried": self.retried, "in_flight": self.limiter.borrowed_tokens,
+                "connections_opened": self.transport.opened}
+
+    async def aclose(self) -> None:
+        """Close every pooled connection."""
+        await self.transport.aclose()
+
+    async def __aenter__(self) -> ModelClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+
+async def read_answer(response: httpx.Response) -> Answer:
+    """Read a streamed response's whole (decoded) body into an :class:`Answer`."""
+    chunks = [chunk async for chunk in response.aiter_bytes()]
+    return Answer(
+        response.status_code,
+        response.headers.get("content-type", "application/json"),
+        chunks[0] if len(chunks) == 1 else b"".join(chunks),
+        response.headers.get("retry-after"),
+    )
+
+
+def _retry_after(response: httpx.Response, cap_s: float) -> float | None:
+    """Seconds from a numeric ``Retry-After`` header, capped at ``cap_s``; ``None`` otherwise."""
+    value = response.headers.get("retry-after")
+    try:
+        return min(max(float(value), 0.0), cap_s) if value is not None else None
+    except ValueError:
+        return None

@@ -1,0 +1,108 @@
+"""The upstream model client: limiter outside httpx, retries, timeouts, cancellation."""
+
+from __future__ import annotations
+
+import httpx
+import orjson
+import pytest
+import trio
+import trio.testing
+
+from lowwater.model import ModelClient
+
+from ._harness import body, run
+from .test_failures import until
+
+
+def test_concurrency_is_bounded_outside_httpx_and_cancellation_reaches_upstream():
+    async def fn(h):
+        h.upstream.hang = True
+        raw = orjson.dumps(body("chat"))
+        async with trio.open_nursery() as nursery:
+            for _ in range(5):
+                nursery.start_soon(h.model.post, "/v1/chat/completions", raw)
+            await until(lambda: len(h.upstream.received) == 2)
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(h.upstream.received) == 2  # three wait on the limiter, not in httpx's pool
+            assert h.model.stats()["in_flight"] == 2
+            nursery.cancel_scope.cancel()
+        await until(lambda: h.upstream.disconnects == 2)
+        assert h.model.stats()["in_flight"] == 0
+        h.upstream.hang = False
+        answer = await h.model.post("/v1/chat/completions", raw)  # the client still works after cancellations
+        assert answer.status == 200 and answer.content_type == "application/json"
+
+    run(fn, client={"max_concurrency": 2})
+
+
+def test_retries_honour_retry_after_and_give_up():
+    async def fn(h):
+        raw = orjson.dumps(body("chat"))
+        h.upstream.statuses.extend([429, 503, 500])
+        answer = await h.model.post("/v1/chat/completions", raw)
+        stats = h.model.stats()
+        assert answer.status == 500 and (stats["requests"], stats["retried"], stats["in_flight"]) == (3, 2, 0)
+        h.upstream.statuses.extend([400])
+        answer = await h.model.post("/v1/chat/completions", raw)
+        assert answer.status == 400 and h.model.stats()["retried"] == 2  # a 4xx other than 429 is final
+
+    run(fn, client={"retries": 2})
+
+
+def test_buffer_bodies_are_sent_without_a_copy_and_per_request_timeouts():
+    async def fn(h):
+        raw = bytearray(orjson.dumps(body("messages")))
+        answer = await h.model.post("/v1/messages", memoryview(raw))
+        assert answer.status == 200 and h.upstream.received[-1][2] == body("messages")
+        assert h.upstream.received[-1][1]["content-length"] == str(len(raw))
+        h.upstream.hang = True
+        with pytest.raises(httpx.ReadTimeout):
+            await h.model.post("/v1/messages", bytes(raw), timeout_s=0.1)
+
+    run(fn)
+
+
+def test_backoff_is_full_jitter_under_a_cap():
+    client = ModelClient("http://127.0.0.1:1/v1", backoff_s=0.5, max_backoff_s=3.0)
+    for attempt in range(8):
+        delays = [client._delay(attempt) for _ in range(50)]
+        assert all(0 <= d <= min(3.0, 0.5 * 2**attempt) for d in delays)
+    assert client.url("/v1/messages") == "http://127.0.0.1:1/v1/messages"
+
+
+@pytest.mark.parametrize("kwargs", [{"max_concurrency": 0}, {"retries": -1}, {"timeout_s": -1}])
+def test_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        ModelClient("http://x/v1", **kwargs)
+
+
+def test_connections_are_reused_and_a_broken_one_is_not():
+    async def fn(h):
+        raw = orjson.dumps(body("chat"))
+        for _ in range(5):
+            assert (await h.model.post("/v1/chat/completions", raw)).status == 200
+        assert h.model.stats()["connections_opened"] == 1
+        # A response closed before its end closes its connection (that is how
+        # cancellation reaches the upstream); the next call opens a new one.
+        h.upstream.hang_after = 2
+        async with h.model.stream("/v1/chat/completions", orjson.dumps(body("chat", stream=True))) as response:
+            async for _ in response.aiter_bytes():
+                break
+        await until(lambda: h.upstream.disconnects == 1)
+        assert (await h.model.post("/v1/chat/completions", raw)).status == 200
+        assert h.model.stats()["connections_opened"] == 2
+        assert (await h.model.get("/v1/models")).status == 200
+        assert h.model.stats()["connections_opened"] == 2
+
+    run(fn)
+
+
+def test_idle_connections_closed_by_the_server_are_not_reused():
+    async def fn(h):
+        raw = orjson.dumps(body("chat"))
+        h.model.transport.keepalive_expiry_s = 0.0  # every idle connection has expired by the next call
+        for _ in range(3):
+            assert (await h.model.post("/v1/chat/completions", raw)).status == 200
+        assert h.model.stats()["connections_opened"] == 3
+
+    run(fn)

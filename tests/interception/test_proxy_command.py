@@ -1,0 +1,177 @@
+"""``lowwater proxy``: flags, the admin endpoints, writing trajectories, and a real process."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import orjson
+import pytest
+import trio
+
+from lowwater import cli
+from lowwater.asgi import serve
+from lowwater.commands import proxy
+from lowwater.commands.proxy import ProxyConfig, config_from_args, serve_proxy
+
+from ._harness import GUARD_S, body
+from .test_failures import until
+from .upstream import Upstream
+
+# Until the lead registers the command in cli.SUBCOMMANDS.
+MAIN = ("import sys; from lowwater import cli; m = 'lowwater.commands.proxy'; "
+        "m in cli.SUBCOMMANDS or cli.SUBCOMMANDS.append(m); sys.exit(cli.main(sys.argv[1:]))")
+
+
+def args(tmp_path, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    proxy.add_parser(parser.add_subparsers())
+    return parser.parse_args(["proxy", "--upstream", "http://127.0.0.1:1/v1", "--out", str(tmp_path), *extra])
+
+
+def test_flags_are_validated(tmp_path):
+    config = config_from_args(args(tmp_path, "--listen", "127.0.0.1:0"), {})
+    assert (config.host, config.port, config.admin_key) == ("127.0.0.1", 0, None)
+    with pytest.raises(cli.UsageError, match="without an admin key: set LOWWATER_ADMIN_KEY"):
+        config_from_args(args(tmp_path, "--listen", "0.0.0.0:8700"), {})
+    config = config_from_args(args(tmp_path, "--listen", "0.0.0.0:8700", "--admin-key-env", "K"), {"K": "s3cret"})
+    assert config.admin_key == "s3cret" and config.host == "0.0.0.0"
+    assert config_from_args(args(tmp_path, "--listen", "[::1]:5"), {}).host == "::1"
+    assert config_from_args(args(tmp_path, "--listen", "localhost:5"), {}).host == "localhost"
+    for bad, match in ((["--listen", "nope"], "HOST:PORT"), (["--listen", "h:99999"], "HOST:PORT"),
+                       (["--upstream", "ftp://x"], "http"), (["--upstream-key-env", "UNSET"], "UNSET"),
+                       (["--retries", "-1"], "retries"), (["--max-concurrency", "0"], "max-concurrency"),
+                       (["--out", "/proc/nope"], "--out")):
+        with pytest.raises(cli.UsageError, match=match):
+            config_from_args(args(tmp_path, *bad), {})
+
+
+def test_cli_reports_usage_errors(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "SUBCOMMANDS", [*cli.SUBCOMMANDS, "lowwater.commands.proxy"])
+    monkeypatch.delenv("LOWWATER_ADMIN_KEY", raising=False)
+    code = cli.main(["proxy", "--upstream", "http://127.0.0.1:1/v1", "--listen", "10.0.0.1:80", "--out", str(tmp_path)])
+    assert code == 2 and "refusing to listen on 10.0.0.1" in capsys.readouterr().err
+
+
+async def _with_proxy(tmp_path, fn, admin_key: str | None = "adm"):
+    upstream = Upstream()
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(serve, upstream)
+        config = ProxyConfig(upstream=f"http://{address}/v1", port=0, out_dir=tmp_path, admin_key=admin_key, retries=0)
+        url = await nursery.start(serve_proxy, config)
+        async with httpx.AsyncClient(timeout=GUARD_S) as http:
+            with trio.fail_after(GUARD_S):
+                await fn(url, http, upstream)
+        nursery.cancel_scope.cancel()
+
+
+def lines(tmp_path) -> list[dict]:
+    path = tmp_path / "trajectories.jsonl"
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
+
+
+def test_admin_opens_records_and_closes_rollouts(tmp_path):
+    admin = {"authorization": "Bearer adm"}
+
+    async def fn(url, http, upstream):
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"x-api-key": "nope"}):
+            assert (await http.post(f"{url}/lowwater/rollouts", headers=headers)).status_code == 401
+            assert (await http.get(f"{url}/lowwater/stats", headers=headers)).status_code == 401
+        r = await http.post(f"{url}/lowwater/rollouts", json={"rollout_id": "a", "task_id": 7}, headers=admin)
+        assert r.status_code == 200
+        opened = r.json()
+        assert opened["rollout_id"] == "a" and opened["base_url"] == f"{url}/v1" and opened["api_key"].startswith("lw-")
+        assert (await http.post(f"{url}/lowwater/rollouts", json={"rollout_id": "a"}, headers=admin)).status_code == 409
+        assert (await http.post(f"{url}/lowwater/rollouts", json=[1], headers=admin)).status_code == 400
+        other = (await http.post(f"{url}/lowwater/rollouts", headers={"x-api-key": "adm"})).json()
+        assert len(other["rollout_id"]) == 32
+        # The admin key is not a rollout key, and a rollout key is not an admin key.
+        assert (await http.post(f"{url}/v1/chat/completions", json=body("chat"), headers=admin)).status_code == 401
+        assert (await http.get(f"{url}/lowwater/stats",
+                               headers={"authorization": f"Bearer {opened['api_key']}"})).status_code == 401
+        for kind, path in (("chat", "/chat/completions"), ("messages", "/messages")):
+            r = await http.post(opened["base_url"] + path, json=body(kind, stream=kind == "chat"),
+                                headers={"authorization": f"Bearer {opened['api_key']}"})
+            assert r.status_code == 200
+        stats = (await http.get(f"{url}/lowwater/stats", headers=admin)).json()
+        assert stats["open_rollouts"] == 2 and stats["rss_bytes"] > 0
+        assert stats["intercepts"]["inserts"] == 2 and stats["upstream"]["requests"] == 2
+        assert (await http.get(f"{url}/lowwater/rollouts", headers=admin)).json() == {
+            "rollouts": sorted(["a", other["rollout_id"]])}
+        r = await http.delete(f"{url}/lowwater/rollouts/a", headers=admin)
+        assert r.json() == {"rollout_id": "a", "turns": 2, "swept": 0}
+        (line,) = lines(tmp_path)
+        assert line["rollout_id"] == "a" and line["task_id"] == 7
+        assert [t["protocol"] for t in line["turns"]] == ["openai.chat", "anthropic.messages"]
+        assert line["turns"][0]["completion"]["content"] == "echo: what is 2 plus 2"
+        assert (await http.delete(f"{url}/lowwater/rollouts/a", headers=admin)).status_code == 404
+        r = await http.post(opened["base_url"] + "/chat/completions", json=body("chat"),
+                            headers={"authorization": f"Bearer {opened['api_key']}"})
+        assert r.status_code == 401  # closed: its key is forgotten
+        assert (await http.put(f"{url}/lowwater/rollouts/x", headers=admin)).status_code == 405
+        stats = (await http.get(f"{url}/lowwater/stats", headers=admin)).json()
+        assert stats["open_rollouts"] == 1 and stats["intercepts"]["entries"] == 0 and stats["written"] == 1
+
+    trio.run(_with_proxy, tmp_path, fn)
+    # The rollout left open was written at shutdown.
+    assert [line["rollout_id"] for line in lines(tmp_path)][0] == "a" and len(lines(tmp_path)) == 2
+
+
+def test_delete_resolves_a_waiting_call(tmp_path):
+    async def fn(url, http, upstream):
+        upstream.hang = True
+        opened = (await http.post(f"{url}/lowwater/rollouts", json={"rollout_id": "w"})).json()
+        result = {}
+
+        async def agent():
+            result["r"] = await http.post(opened["base_url"] + "/responses", json=body("responses", stream=True),
+                                          headers={"authorization": f"Bearer {opened['api_key']}"})
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(agent)
+            await upstream.entered.wait()
+            r = await http.delete(f"{url}/lowwater/rollouts/w")
+            assert r.json() == {"rollout_id": "w", "turns": 0, "swept": 1}
+        assert result["r"].status_code == 410
+        await until(lambda: upstream.disconnects == 1)
+        stats = (await http.get(f"{url}/lowwater/stats")).json()
+        assert stats["intercepts"]["entries"] == 0 and stats["waiting_handlers"] == 0
+
+    trio.run(_with_proxy, tmp_path, fn, None)  # no admin key: loopback only, endpoints open
+
+
+def test_proxy_process_serves_and_writes_open_rollouts_on_interrupt(tmp_path):
+    async def main():
+        upstream = Upstream()
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(serve, upstream)
+            env = {**os.environ, "LOWWATER_ADMIN_KEY": "k"}
+            process = await trio.lowlevel.open_process(
+                [sys.executable, "-c", MAIN, "proxy", "--upstream", f"http://{address}/v1", "--listen", "127.0.0.1:0",
+                 "--out", str(tmp_path)], stderr=subprocess.PIPE, env=env)
+            try:
+                with trio.fail_after(GUARD_S):
+                    banner = b""
+                    while b"\n" not in banner:
+                        banner += await process.stderr.receive_some()
+                    url = banner.split(b"listening on ")[1].split(b" ")[0].decode()
+                    async with httpx.AsyncClient() as http:
+                        opened = (await http.post(f"{url}/lowwater/rollouts", headers={"x-api-key": "k"})).json()
+                        r = await http.post(opened["base_url"] + "/chat/completions", json=body("chat"),
+                                            headers={"authorization": f"Bearer {opened['api_key']}"})
+                        assert r.status_code == 200
+                    process.send_signal(signal.SIGINT)
+                    assert await process.wait() == 130
+            finally:
+                if process.returncode is None:
+                    process.kill()
+                await process.stderr.aclose()
+            nursery.cancel_scope.cancel()
+        (line,) = lines(tmp_path)
+        assert line["rollout_id"] == opened["rollout_id"] and len(line["turns"]) == 1
+
+    trio.run(main)
