@@ -14,7 +14,8 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,13 @@ class EvalConfig:
         max_attempts: eval runs that may attempt an errored task (``--resume``).
         seed: recorded in the header; environments take it from ``env_options``.
         tick_s: worker-tick cadence (seconds): RSS samples, stale sweeps.
+        workers: env worker processes (``--workers``); 0 runs every rollout
+            in this process.  With workers, each runs its own interception
+            server and engine (see :mod:`lowwater.eval_worker`) and the model
+            server is shared.
+        max_tasks_per_worker, max_rss_mb, high_water_mb: recycling and
+            admission settings of the worker pool (see
+            :class:`lowwater.workers.WorkerPool`).
     """
 
     env: str = "arithmetic"
@@ -75,6 +83,10 @@ class EvalConfig:
     max_attempts: int = 3
     seed: int = 0
     tick_s: float = 1.0
+    workers: int = 0
+    max_tasks_per_worker: int | None = 500
+    max_rss_mb: float | None = None
+    high_water_mb: float | None = None
 
     def __attrs_post_init__(self) -> None:
         for name in ("group_size", "concurrency", "max_turns", "max_attempts"):
@@ -84,6 +96,28 @@ class EvalConfig:
             raise ValueError(f"rollouts must be >= 0, not {self.rollouts}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout must be > 0 seconds, not {self.timeout_s}")
+        if self.workers < 0:
+            raise ValueError(f"workers must be >= 0, not {self.workers}")
+        for name in ("max_rss_mb", "high_water_mb"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name.replace('_', '-')} must be > 0, not {value}")
+        if self.max_tasks_per_worker is not None and self.max_tasks_per_worker < 1:
+            raise ValueError(f"max-tasks-per-worker must be >= 1, not {self.max_tasks_per_worker}")
+
+    def to_json(self) -> dict[str, Any]:
+        """The settings a worker process needs, JSON-able (paths as strings)."""
+        data = attrs.asdict(self, recurse=True)
+        data["out"] = str(self.out)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EvalConfig:
+        """Inverse of :meth:`to_json`."""
+        data = dict(data)
+        data["model"] = ModelSpec(**data["model"])
+        data["out"] = Path(data["out"])
+        return cls(**data)
 
 
 class Totals:
@@ -142,6 +176,7 @@ class EvalReport:
     memory: MemoryRecord
     out: Path
     leftovers: dict[str, int]
+    pool: dict[str, Any] | None = None
 
 
 def _tasks(env: Environment, config: EvalConfig, done: set[Any]) -> Iterator[Task]:
@@ -170,9 +205,6 @@ async def run_eval(
         lowwater.upstream.UpstreamError: the model cannot be started/reached.
         ValueError: bad environment options.
     """
-    from lowwater.interception import InterceptionServer  # heavy imports, only for runs
-    from lowwater.model import ModelClient
-
     plugins = plugins or plugins_mod.load()
     env: Environment = plugins.environment(config.env)(config.env_options)
     run_id = uuid.uuid4().hex[:12]
@@ -196,57 +228,25 @@ async def run_eval(
     record = MemoryRecord()
     started = time.perf_counter()
     writer = ResultsWriter(config.out)
-    pool = None
+
+    async def write(row: dict[str, Any], attempt: int = 1) -> None:
+        row["run_id"] = run_id
+        row["attempts"] = state.attempts.get(row.get("task_id"), 0) + attempt
+        await writer.write(row)
+        totals.add(row, this_run=True)
+        if on_progress is not None:
+            on_progress(totals, record.last_bytes)
+
+    pool_report = None
     try:
-        async with model_server(config.model) as upstream_url, ModelClient(upstream_url, api_key=config.model.api_key) as client:
-            server = InterceptionServer(client, protocols=list(plugins.protocols.values()) or None)
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=config.concurrency)
-            async with trio.open_nursery() as services, httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(config.timeout_s)) as http:
-                await services.start(server.run)
-                runtime_config = _runtime_config(config)
-                if config.persistent:
-                    from lowwater.runtime import RuntimePool
-
-                    pool = RuntimePool(plugins.runtimes, max_size=_pool_size(config))
-                engine = Engine(
-                    env, server, plugins, http,
-                    harness=config.harness, model=config.model.name, max_turns=config.max_turns,
-                    deadlines=Deadlines(rollout_s=config.timeout_s), runtime_config=runtime_config, pool=pool,
-                )
-
-                async def on_result(rollout: Rollout) -> None:
-                    row = rollout.result()
-                    row["run_id"] = run_id
-                    row["attempts"] = state.attempts.get(rollout.task.id, 0) + 1
-                    await writer.write(row)
-                    totals.add(row, this_run=True)
-                    if on_progress is not None:
-                        on_progress(totals, record.last_bytes)
-
-                async def tick() -> None:
-                    while True:
-                        await trio.sleep(config.tick_s)
-                        rss = rss_bytes()
-                        stats = {
-                            "rss_bytes": rss, "in_flight": engine.in_flight, "finished": totals.this_run,
-                            "intercepts": server.table.stats(), "intercept_table": server.table, "memory_record": record,
-                        }
-                        await plugins.fire("worker_tick", stats=stats)
-                        if "rss-sampling" not in plugins.cleanup_policies:
-                            record.add(rss, totals.this_run)
-                        if on_progress is not None:
-                            on_progress(totals, record.last_bytes)
-
-                services.start_soon(tick)
-                await _run_tasks(engine, env, config, state.done, on_result)
-                await plugins.fire("shutdown")
-                leftovers = {**engine.stats(), "intercepts": len(server.table)}
-                services.cancel_scope.cancel()
+        async with model_server(config.model) as upstream_url:
+            if config.workers:
+                pool_report = await _run_pooled(config, env, upstream_url, state.done, record, totals, write, on_progress)
+                leftovers = {}
+            else:
+                leftovers = await _run_here(config, env, plugins, upstream_url, state.done, record, totals, write, on_progress)
     finally:
         writer.close()
-        if pool is not None:
-            with trio.CancelScope(shield=True):
-                await pool.aclose()
         with trio.CancelScope(shield=True):
             await env.aclose()
     wall_s = time.perf_counter() - started
@@ -254,7 +254,120 @@ async def run_eval(
     await trio.to_thread.run_sync(Trimmer(0.0))
     resting = record.add(finished=totals.this_run)
     summary = totals.summary(wall_s, record.summary(resting))
-    return EvalReport(summary, dict(totals.errors), record, config.out, leftovers)
+    return EvalReport(summary, dict(totals.errors), record, config.out, leftovers, pool_report)
+
+
+@asynccontextmanager
+async def open_engine(
+    config: EvalConfig, env: Environment, plugins: plugins_mod.Plugins, upstream_url: str,
+) -> AsyncIterator[tuple[Engine, Any]]:
+    """An :class:`Engine` for ``env`` with its interception server running.
+
+    Yields ``(engine, server)``; on exit the server is stopped and the
+    runtime pool (when ``config.persistent``) closed, shielded.  Used by
+    the in-process run and by each worker of a pooled one.
+    """
+    from lowwater.interception import InterceptionServer  # heavy imports, only for runs
+    from lowwater.model import ModelClient
+
+    pool = None
+    try:
+        async with ModelClient(upstream_url, api_key=config.model.api_key) as client:
+            server = InterceptionServer(client, protocols=list(plugins.protocols.values()) or None)
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=config.concurrency)
+            async with trio.open_nursery() as services, httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(config.timeout_s)) as http:
+                await services.start(server.run)
+                if config.persistent:
+                    from lowwater.runtime import RuntimePool
+
+                    pool = RuntimePool(plugins.runtimes, max_size=_pool_size(config))
+                engine = Engine(
+                    env, server, plugins, http,
+                    harness=config.harness, model=config.model.name, max_turns=config.max_turns,
+                    deadlines=Deadlines(rollout_s=config.timeout_s), runtime_config=_runtime_config(config), pool=pool,
+                )
+                yield engine, server
+                services.cancel_scope.cancel()
+    finally:
+        if pool is not None:
+            with trio.CancelScope(shield=True):
+                await pool.aclose()
+
+
+async def _run_here(config: EvalConfig, env: Environment, plugins: plugins_mod.Plugins, upstream_url: str,
+                    done: set[Any], record: MemoryRecord, totals: Totals, write: Any, on_progress: Any) -> dict[str, int]:
+    """Every rollout in this process; returns the engine's final stats."""
+    async with open_engine(config, env, plugins, upstream_url) as (engine, server):
+
+        async def on_result(rollout: Rollout) -> None:
+            await write(rollout.result())
+
+        async def tick() -> None:
+            while True:
+                await trio.sleep(config.tick_s)
+                rss = rss_bytes()
+                stats = {
+                    "rss_bytes": rss, "in_flight": engine.in_flight, "finished": totals.this_run,
+                    "intercepts": server.table.stats(), "intercept_table": server.table, "memory_record": record,
+                }
+                await plugins.fire("worker_tick", stats=stats)
+                if "rss-sampling" not in plugins.cleanup_policies:
+                    record.add(rss, totals.this_run)
+                if on_progress is not None:
+                    on_progress(totals, record.last_bytes)
+
+        async with trio.open_nursery() as ticker:
+            ticker.start_soon(tick)
+            await _run_tasks(engine, env, config, done, on_result)
+            await plugins.fire("shutdown")
+            ticker.cancel_scope.cancel()
+        return {**engine.stats(), "intercepts": len(server.table)}
+
+
+async def _run_pooled(config: EvalConfig, env: Environment, upstream_url: str, done: set[Any],
+                      record: MemoryRecord, totals: Totals, write: Any, on_progress: Any) -> dict[str, Any]:
+    """Every task in ``config.workers`` env worker processes; returns the
+    pool's report.  The parent keeps task ids only; a task whose worker
+    died is re-run from its id and its rows say how many attempts it took.
+    The memory record samples this (parent) process, so baseline, peak and
+    resting compare like with like; workers' RSS is in the pool report
+    (``worker_rss_peak_mb``, ``pool_rss_peak_mb``)."""
+    from lowwater.workers import JobSpec, WorkerPool
+
+    per_worker = max(1, -(-config.concurrency // (config.group_size * config.workers)))
+    spec = JobSpec("lowwater.eval_worker:make_job", {"config": config.to_json(), "upstream_url": upstream_url})
+    pool = WorkerPool(
+        spec, workers=config.workers, concurrency_per_worker=per_worker,
+        max_tasks_per_worker=config.max_tasks_per_worker, max_rss_mb=config.max_rss_mb,
+        high_water_mb=config.high_water_mb, heartbeat_s=config.tick_s, seed=config.seed,
+        preload=("lowwater.eval_worker",),
+    )
+
+    async def on_rows(rows: list[dict[str, Any]], info: Any) -> None:
+        if len(rows) == 1 and "rollout_id" not in rows[0]:
+            # Synthesized by the pool or the worker (the job raised, or its
+            # worker kept dying): give it a row's shape, one per group member,
+            # so --resume counts the task like any other.
+            error = rows[0].get("error")
+            rows = [{"task_id": info.task_id, "rollout_id": None, "group_id": None, "reward": None,
+                     "metrics": {}, "turns": 0, "error": error, "timing": {}} for _ in range(config.group_size)]
+        for row in rows:
+            if info.retried:
+                row["retried"] = True
+            await write(row, info.attempt)
+
+    async def tick() -> None:
+        while True:
+            await trio.sleep(config.tick_s)
+            record.add(rss_bytes(), totals.this_run)
+            if on_progress is not None:
+                on_progress(totals, record.last_bytes)
+
+    async with trio.open_nursery() as ticker:
+        ticker.start_soon(tick)
+        report = await pool.run((task.id for task in _tasks(env, config, done)), on_rows)
+        ticker.cancel_scope.cancel()
+    return report.to_json()
 
 
 async def _run_tasks(engine: Engine, env: Environment, config: EvalConfig, done: set[Any], on_result: Any) -> None:

@@ -22,9 +22,7 @@ from ._harness import GUARD_S, body
 from .test_failures import until
 from .upstream import Upstream
 
-# Until the lead registers the command in cli.SUBCOMMANDS.
-MAIN = ("import sys; from lowwater import cli; m = 'lowwater.commands.proxy'; "
-        "m in cli.SUBCOMMANDS or cli.SUBCOMMANDS.append(m); sys.exit(cli.main(sys.argv[1:]))")
+MAIN = "import sys; from lowwater import cli; sys.exit(cli.main(sys.argv[1:]))"
 
 
 def args(tmp_path, *extra: str) -> argparse.Namespace:
@@ -51,7 +49,7 @@ def test_flags_are_validated(tmp_path):
 
 
 def test_cli_reports_usage_errors(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "SUBCOMMANDS", [*cli.SUBCOMMANDS, "lowwater.commands.proxy"])
+    assert "lowwater.commands.proxy" in cli.SUBCOMMANDS
     monkeypatch.delenv("LOWWATER_ADMIN_KEY", raising=False)
     code = cli.main(["proxy", "--upstream", "http://127.0.0.1:1/v1", "--listen", "10.0.0.1:80", "--out", str(tmp_path)])
     assert code == 2 and "refusing to listen on 10.0.0.1" in capsys.readouterr().err

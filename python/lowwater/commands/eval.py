@@ -49,6 +49,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--summary-json", type=Path, help="write the summary figures as JSON here")
     p.add_argument("--memory-plot", type=Path, metavar="PATH.png", help="plot RSS over the run as a PNG")
     p.add_argument("--seed", type=int, default=0, help="seed for generated tasksets (default 0)")
+    p.add_argument("--workers", type=int, default=0,
+                   help="env worker processes (default 0: every rollout in this process)")
+    p.add_argument("--max-tasks-per-worker", type=int, default=500,
+                   help="a worker retires after this many tasks, jittered (default 500)")
+    p.add_argument("--max-rss-mb", type=float, help="a worker retires past this current RSS in MiB (default: never)")
+    p.add_argument("--high-water-mb", type=float,
+                   help="a worker above this RSS in MiB gets no new rollouts until it drops to 80 %% of it")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
@@ -78,6 +85,8 @@ def build_config(args: argparse.Namespace) -> Any:
             env=args.env, env_options=options, model=model, rollouts=args.rollouts, group_size=args.group_size,
             concurrency=args.concurrency, max_turns=args.max_turns, timeout_s=args.timeout, harness=args.harness,
             persistent=args.persistent, out=out, resume=args.resume, max_attempts=args.max_attempts, seed=args.seed,
+            workers=args.workers, max_tasks_per_worker=args.max_tasks_per_worker, max_rss_mb=args.max_rss_mb,
+            high_water_mb=args.high_water_mb,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -181,6 +190,13 @@ def _print_summary(console: Any, report: Any, config: Any) -> None:
         ("results", str(report.out)),
     ):
         table.add_row(label, str(value))
+    if report.pool is not None:
+        p = report.pool
+        table.add_row("workers started / recycled", f"{p['workers_started']} / {p['recycled_by_count'] + p['recycled_by_rss']}")
+        table.add_row("worker crashes / tasks re-run",
+                      f"{p['replaced_after_crash'] + p['replaced_after_heartbeat_timeout']} / {p['retried_tasks']}")
+        table.add_row("admission held rollouts back", f"{p['admission_wait_s']:.2f} s ({p['admission_holds']} holds)")
+        table.add_row("worker RSS peak", f"{p['worker_rss_peak_mb']:.1f} MiB")
     console.print(table)
 
 

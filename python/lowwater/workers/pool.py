@@ -85,12 +85,15 @@ class WorkerJob:
     """Base class of the job a worker runs; subclass and name a factory in a :class:`JobSpec`.
 
     All methods run in the worker process, on its Trio loop.
-    ``setup()`` and ``teardown()`` run in the same task, strictly nested
-    around the serving loop, so ``setup`` may enter async context managers
-    (through an ``AsyncExitStack``) that ``teardown`` exits.
-    ``self.nursery`` is set before ``setup()``: a nursery for background
-    services (an interception server, a model client), cancelled after
-    ``teardown()``.
+    ``setup()`` and ``teardown()`` run in the same task around the serving
+    loop, but ``teardown()`` runs inside its own (shielded, deadline-bound)
+    cancel scope: a nursery or cancel scope that ``setup`` entered (say
+    through an ``AsyncExitStack``) must not be exited by ``teardown``, or
+    Trio's scope stack is corrupted.  Hold such contexts open in a service
+    task instead: ``self.nursery`` is set before ``setup()``, a nursery for
+    background services (an interception server, a model client),
+    cancelled after ``teardown()``; :class:`lowwater.eval_worker.EvalJob`
+    shows the pattern.
     """
 
     nursery: trio.Nursery
