@@ -133,6 +133,10 @@ class SessionStore:
         clock: monotonic time source in seconds (tests inject one).
         free_shards: called with a session's shard ids when it is removed
             (e.g. ``ShardStore.remove``); returns how many it freed.
+        revoke: called with a stale session's id under the store lock, as
+            its key is revoked (``lowwater proxy`` unregisters the rollout
+            from its interception server here, so the key stops working
+            everywhere before anything is dumped).  Must not block.
 
     Thread-safe: short critical sections under one store lock (the key and
     session maps) and one lock per session (its interactions); no lock is
@@ -145,8 +149,10 @@ class SessionStore:
         *,
         clock: Callable[[], float] = time.monotonic,
         free_shards: Callable[[list[str]], int] | None = None,
+        revoke: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config or SessionConfig()
+        self._revoke = revoke
         self._clock = clock
         self._free_shards = free_shards
         self._lock = threading.Lock()
@@ -155,14 +161,26 @@ class SessionStore:
 
     # -- lifecycle -------------------------------------------------------------
 
-    def start_session(self, group_id: str | None = None, session_id: str | None = None) -> tuple[str, str]:
-        """Open a session; returns ``(session_id, api_key)``.  Raises SessionError on a duplicate id."""
+    def start_session(
+        self, group_id: str | None = None, session_id: str | None = None, api_key: str | None = None,
+    ) -> tuple[str, str]:
+        """Open a session; returns ``(session_id, api_key)``.
+
+        ``api_key`` defaults to a fresh random key (``lowwater proxy`` passes
+        the rollout's interception secret, so one key names the session
+        everywhere).
+
+        Raises:
+            SessionError: the id or the key is already in use.
+        """
         sid = session_id or uuid.uuid4().hex
-        key = "lw-" + secrets.token_urlsafe(24)
+        key = api_key or "lw-" + secrets.token_urlsafe(24)
         session = Session(sid, key, group_id or sid, self._clock())
         with self._lock:
             if sid in self._sessions:
                 raise SessionError(f"session {sid!r} already exists")
+            if key in self._by_key:
+                raise SessionError("that API key belongs to another session")
             self._sessions[sid] = session
             self._by_key[key] = session
         return sid, key
@@ -277,6 +295,11 @@ class SessionStore:
             stale = [s for s in self._sessions.values() if s.last_active_s < cutoff]
             for s in stale:
                 self._remove_locked(s)
+                if self._revoke is not None:
+                    try:
+                        self._revoke(s.session_id)
+                    except Exception:  # a failing revoke must not keep the session (or the lock)
+                        log.exception("revoking stale session %s failed", s.session_id)
         return stale
 
     async def cleanup_pass(self) -> CleanupReport:

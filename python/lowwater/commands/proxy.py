@@ -16,6 +16,18 @@ closed.  Admin endpoints (JSON; every one requires the admin key, as
   line to ``OUT/trajectories.jsonl`` (off the event loop), then evict it.
   Answers ``{"rollout_id", "turns", "swept"}``; 404 if unknown.
 * ``GET /lowwater/rollouts`` — the open rollout ids.
+* ``POST /lowwater/sessions/{id}/reward`` — body ``{"reward": R}``: the
+  rollout's session becomes ready (idempotent; 409 for a different reward,
+  404 if unknown).  With ``--sessions`` every rollout is also a session of
+  the trainer-facing session store (:mod:`lowwater.sessions`), keyed by its
+  API key, holding its calls as interactions until exported or found stale
+  (without it the session endpoints answer 404 and nothing outlives a
+  rollout's ``DELETE``).
+* ``POST /lowwater/export`` — body ``{"session_ids": [...], "discount": 1.0,
+  "style": "individual" | "concat"}``: the sessions' interactions with
+  discounted rewards; exported sessions are removed (409 if one is not
+  ready, 404 if unknown; nothing is removed then).
+* ``GET /lowwater/sessions`` — the store's counts and the ready session ids.
 * ``GET /lowwater/stats`` — ``intercepts`` (the intercept table's stats),
   ``open_rollouts``, ``waiting_handlers``, ``calls``, ``upstream`` (the
   model client's counters) and ``rss_bytes`` (current RSS of the proxy).
@@ -24,6 +36,14 @@ The admin key comes from the environment variable ``--admin-key-env``
 (default ``LOWWATER_ADMIN_KEY``); without one the proxy refuses to listen on
 anything but a loopback address.  On shutdown the rollouts still open are
 closed and written like a ``DELETE`` would.
+
+Stale cleanup: every ``--cleanup-interval-s`` a pass removes sessions idle
+for ``--session-timeout-s`` (their keys revoked and their rollouts
+unregistered first, under the store lock), dumps each to ``--dump-dir``
+when one is set (one ``SESSION_ID.json``, mode 0600), and closes the
+rollouts still open (their lines written as a ``DELETE`` would).  A peer's
+data proxy defined such a loop and never scheduled it; its sessions lived
+for the life of the process.
 """
 
 from __future__ import annotations
@@ -41,6 +61,8 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import attrs
+
+from lowwater.trajectory import Trajectory
 
 log = logging.getLogger("lowwater.proxy")
 
@@ -66,6 +88,13 @@ class ProxyConfig:
     retries: int = 3
     max_body_bytes: int = 64 << 20
     request_logprobs: bool = False
+    sessions: Any = None  # a SessionConfig: keep sessions (--sessions); None: trajectories only
+
+
+def _session_config(**kwargs: Any) -> Any:
+    from lowwater.sessions import SessionConfig
+
+    return SessionConfig(**kwargs)
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -85,6 +114,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-body-mib", type=float, default=64, help="request body limit, MiB (default 64)")
     p.add_argument("--request-logprobs", action="store_true",
                    help="ask the upstream for token ids and logprobs (vLLM/SGLang)")
+    p.add_argument("--sessions", action="store_true",
+                   help="keep each rollout's calls as a session until its reward is set and it is exported")
+    p.add_argument("--session-timeout-s", type=float, default=3600.0,
+                   help="a session idle this long is stale and removed (default 3600)")
+    p.add_argument("--cleanup-interval-s", type=float, default=60.0,
+                   help="seconds between stale-session cleanup passes (default 60)")
+    p.add_argument("--dump-dir", metavar="DIR", help="write stale sessions here before freeing them (default: not written)")
     p.set_defaults(func=run)
     return p
 
@@ -149,11 +185,24 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
         raise UsageError(f"--out {out_dir}: {exc.strerror}") from None
     if not os.access(out_dir, os.W_OK):
         raise UsageError(f"--out {out_dir} is not writable")
+    dump_dir = Path(args.dump_dir) if args.dump_dir else None
+    if dump_dir is not None:
+        try:
+            dump_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--dump-dir {dump_dir}: {exc.strerror}") from None
+        if not os.access(dump_dir, os.W_OK):
+            raise UsageError(f"--dump-dir {dump_dir} is not writable")
+    try:
+        sessions = _session_config(session_timeout_s=args.session_timeout_s,
+                                   cleanup_interval_s=args.cleanup_interval_s, dump_dir=dump_dir)
+    except ValueError as exc:
+        raise UsageError(f"--{str(exc).replace('_', '-')}") from None
     return ProxyConfig(
         upstream=args.upstream, host=host, port=port, out_dir=out_dir, admin_key=admin_key,
         upstream_key=upstream_key, model=args.model, max_concurrency=args.max_concurrency,
         timeout_s=args.timeout_s, retries=args.retries, max_body_bytes=int(args.max_body_mib * (1 << 20)),
-        request_logprobs=args.request_logprobs,
+        request_logprobs=args.request_logprobs, sessions=sessions if args.sessions else None,
     )
 
 
@@ -164,10 +213,15 @@ class Admin:
     evicted at ``DELETE`` (or at shutdown) once its line is on disk.
     """
 
-    def __init__(self, server: Any, out_file: Path, admin_key: str | None) -> None:
+    def __init__(self, server: Any, out_file: Path, admin_key: str | None, sessions: Any = None) -> None:
         import trio
 
+        from lowwater.sessions import SessionStore
+
         self.server = server
+        # Revoked under the store's lock: a stale session's key stops working
+        # at the proxy before its dump is written (DESIGN.md: session).
+        self.store = SessionStore(sessions, revoke=server.unregister) if sessions is not None else None
         self.out_file = out_file
         self.admin_key = admin_key
         self.trajectories: dict[str, Any] = {}
@@ -200,7 +254,9 @@ class Admin:
             raise HTTPError(401, "missing or wrong admin key")
 
     async def _route(self, scope: Any, receive: Any, send: Any) -> None:
-        from lowwater.asgi import HTTPError, parse_json, read_body, send_json
+        import trio
+
+        from lowwater.asgi import HTTPError, parse_json, read_body, send_bytes, send_json
 
         self._check_key(scope)
         method, path = scope["method"], scope["path"].rstrip("/")
@@ -221,12 +277,39 @@ class Admin:
                 raise HTTPError(405, "use DELETE to close a rollout")
             rollout_id = unquote(path.removeprefix("/lowwater/rollouts/"))
             return await send_json(send, 200, await self.close(rollout_id))
+        if path.startswith(("/lowwater/sessions", "/lowwater/export")) and self.store is None:
+            raise HTTPError(404, "sessions are off: start the proxy with --sessions")
+        if path == "/lowwater/sessions":
+            if method != "GET":
+                raise HTTPError(405, "use GET")
+            return await send_json(send, 200, {**self.store.stats(), "ready_ids": sorted(self.store.ready())})
+        if path.startswith("/lowwater/sessions/") and path.endswith("/reward"):
+            if method != "POST":
+                raise HTTPError(405, "use POST to set a reward")
+            session_id = unquote(path.removeprefix("/lowwater/sessions/").removesuffix("/reward"))
+            body = parse_json(await read_body(receive, 1 << 20))
+            if not isinstance(body, dict) or "reward" not in body:
+                raise HTTPError(400, 'body must be {"reward": NUMBER}')
+            with _session_errors():
+                self.store.set_reward(session_id, body["reward"])
+            return await send_json(send, 200, {"session_id": session_id, "reward": body["reward"]})
+        if path == "/lowwater/export":
+            if method != "POST":
+                raise HTTPError(405, "use POST to export sessions")
+            body = parse_json(await read_body(receive, 16 << 20))
+            if not isinstance(body, dict) or not isinstance(body.get("session_ids"), list) \
+                    or not all(isinstance(i, str) for i in body["session_ids"]):
+                raise HTTPError(400, 'body must be {"session_ids": [STRING, ...], "discount"?, "style"?}')
+            with _session_errors():
+                records = self.store.export(body["session_ids"], body.get("discount", 1.0), body.get("style", "individual"))
+            # Exported sessions' interactions can be large: serialised off the loop.
+            payload = await trio.to_thread.run_sync(_dumps, {"records": records})
+            return await send_bytes(send, 200, payload, "application/json")
         raise HTTPError(404, f"no endpoint {method} {path}")
 
     def open(self, options: Any, host: str | None) -> dict[str, Any]:
         """Register a rollout; :class:`~lowwater.asgi.HTTPError` 400/409 on bad options."""
         from lowwater.asgi import HTTPError
-        from lowwater.trajectory import Trajectory
 
         if not isinstance(options, dict):
             raise HTTPError(400, "body must be a JSON object")
@@ -241,8 +324,13 @@ class Admin:
             raise HTTPError(400, "group_id must be a string")
         if rollout_id in self.trajectories:
             raise HTTPError(409, f"rollout {rollout_id} is already open")
-        trajectory = Trajectory(rollout_id, task_id, group_id)
+        if self.store is not None and rollout_id in self.store:
+            raise HTTPError(409, f"session {rollout_id} is still held (set its reward and export it, or wait for cleanup)")
+        trajectory = _SessionTrajectory(rollout_id, task_id, group_id)
         slot = self.server.register(trajectory)
+        if self.store is not None:
+            self.store.start_session(group_id, session_id=rollout_id, api_key=slot.secret)
+            trajectory.on_turn = self._on_turn
         self.trajectories[rollout_id] = trajectory
         # The agent reaches the proxy the way the admin client did.
         root = f"http://{host}" if host else self.server.url
@@ -273,6 +361,52 @@ class Admin:
                 del self.trajectories[rollout_id]  # evicted on every path
                 self._dirty.set()
         return {"rollout_id": rollout_id, "turns": turns, "swept": swept}
+
+    def _on_turn(self, trajectory: Any, turn: Any) -> None:
+        """Cache a recorded call as an interaction of the rollout's session.
+
+        The interaction shares the turn's objects (the message delta, the
+        completion), so an open rollout's calls are held once, not twice.
+        """
+        from lowwater.sessions import Interaction, SessionError
+
+        try:
+            self.store.add_interaction(trajectory.rollout_id, Interaction(
+                request=turn.request_delta, response=turn.completion, token_ids=turn.token_ids, logprobs=turn.logprobs))
+        except SessionError:
+            pass  # exported, rewarded or stale already: the trajectory line still has the call
+
+    async def cleanup_loop(self, *, task_status: Any = None) -> None:
+        """Stale-session passes every ``cleanup_interval_s`` until cancelled;
+        a failing pass is logged and the loop goes on."""
+        import trio
+
+        if task_status is not None:
+            task_status.started()
+        if self.store is None:
+            return
+        while True:
+            await trio.sleep(self.store.config.cleanup_interval_s)
+            try:
+                await self.cleanup_pass()
+            except Exception:
+                log.exception("stale-session cleanup pass failed; next in %s s", self.store.config.cleanup_interval_s)
+
+    async def cleanup_pass(self) -> Any:
+        """One pass (see the module docstring); returns the store's :class:`~lowwater.sessions.CleanupReport`."""
+        from lowwater.asgi import HTTPError
+
+        assert self.store is not None, "sessions are off"
+        report = await self.store.cleanup_pass()
+        for session_id in report.removed:
+            if session_id in self.trajectories:
+                try:
+                    await self.close(session_id)
+                except HTTPError as exc:
+                    log.warning("stale rollout %s: %s", session_id, exc.reason)
+        if report.removed:
+            log.info("removed %d stale sessions (%d dumped)", len(report.removed), len(report.dumped))
+        return report
 
     async def trim_loop(self) -> None:
         """Give freed memory back to the OS after closes: off the loop, at most once a second,
@@ -309,8 +443,45 @@ class Admin:
 
         stats = self.server.stats()
         upstream = self.server.upstream
-        return {**stats, "upstream": upstream.stats() if upstream is not None else None,
+        return {**stats, "upstream": upstream.stats() if upstream is not None else None, "sessions": self.store.stats() if self.store is not None else None,
                 "written": self.written, "trims": self.trimmer.calls, "rss_bytes": rss_bytes()}
+
+
+class _SessionTrajectory(Trajectory):
+    """A trajectory that also hands each recorded turn to ``on_turn(trajectory, turn)``."""
+
+    __slots__ = ("on_turn",)
+
+    def add_turn(self, turn: Any) -> None:
+        super().add_turn(turn)
+        on_turn = getattr(self, "on_turn", None)
+        if on_turn is not None:
+            on_turn(self, turn)
+
+
+def _session_errors() -> Any:
+    """Map :class:`~lowwater.sessions.SessionError` to 404 (unknown) or 409, ValueError to 400."""
+    import contextlib
+
+    from lowwater.asgi import HTTPError
+    from lowwater.sessions import SessionError
+
+    @contextlib.contextmanager
+    def mapping() -> Any:
+        try:
+            yield
+        except SessionError as exc:
+            raise HTTPError(404 if "unknown" in str(exc) else 409, str(exc)) from None
+        except ValueError as exc:
+            raise HTTPError(400, str(exc)) from None
+
+    return mapping()
+
+
+def _dumps(payload: Any) -> bytes:
+    import orjson
+
+    return orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS)
 
 
 def _host(scope: Any) -> str | None:
@@ -345,11 +516,12 @@ async def serve_proxy(config: ProxyConfig, *, task_status: Any = None) -> None:
                            retries=config.retries) as client:
         server = InterceptionServer(client, max_body_bytes=config.max_body_bytes,
                                     request_logprobs=config.request_logprobs)
-        admin = Admin(server, config.out_dir / TRAJECTORIES_FILE, config.admin_key)
+        admin = Admin(server, config.out_dir / TRAJECTORIES_FILE, config.admin_key, config.sessions)
         server.mount("/lowwater/", admin)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(admin.trim_loop)
+                await nursery.start(admin.cleanup_loop)
                 url = await nursery.start(server.run, config.host, config.port)
                 if task_status is not None:
                     task_status.started(url)
