@@ -151,3 +151,47 @@ def test_gsm8k_replay_matches_recorded_labels(tmp_path, harness, n):
     assert report.summary["accuracy"] == sum(labels) / n
     assert report.leftovers["trajectories"] == 0 and report.leftovers["intercepts"] == 0
     assert all(r["turns"] >= 1 for r in rows.values())
+
+
+@needs_gsm8k
+def test_gsm8k_in_workers_looks_tasks_up_by_id(tmp_path):
+    """A pooled eval hands workers task ids only; GSM8K finds each row with one seek."""
+    column = "6b_verification"
+    n = 24
+    config = EvalConfig(
+        env="gsm8k", env_options={"data": str(GSM8K / "test.jsonl")}, rollouts=n, concurrency=8, workers=2,
+        model=ModelSpec("replay", f"replay-{column}", replay_path=GSM8K / "example_model_solutions.jsonl", replay_column=column),
+        out=tmp_path / "w.jsonl",
+    )
+    from lowwater.plugins import load
+
+    if "gsm8k" not in load(disabled=()).environments:
+        pytest.skip("lowwater-gsm8k is not installed")
+    report = trio.run(run_eval, config)
+    with open(GSM8K / "example_model_solutions.jsonl", "rb") as f:
+        labels = [orjson.loads(line)[column]["is_correct"] for _, line in zip(range(n), f)]
+    rows = {r["task_id"]: r for r in rows_of(config.out)}
+    assert sorted(rows) == list(range(n)) and all(r["error"] is None for r in rows.values())
+    assert [rows[i]["metrics"]["correct"] for i in range(n)] == labels
+    assert report.pool["tasks"] == n
+
+
+@needs_gsm8k
+def test_gsm8k_task_by_id_matches_the_stream(tmp_path):
+    pytest.importorskip("lowwater_gsm8k")
+    from lowwater_gsm8k.env import DataError, GSM8KEnvironment
+
+    env = GSM8KEnvironment(GSM8K / "test.jsonl")
+    tasks = list(env.tasks())
+    assert len(tasks) == 1319
+    for task in tasks[:20] + tasks[-20:]:
+        assert env.task(task.id) == task
+    for bad in (1319, -1, "x"):
+        with pytest.raises(KeyError):
+            env.task(bad)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"question": "q", "answer": "#### 1"}\n\n{"question": 3}\n')
+    env = GSM8KEnvironment(data)
+    assert env.task(0).answer == "1"
+    with pytest.raises(DataError, match="line 3"):
+        env.task(1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,24 +31,46 @@ def read_tasks(path: Path) -> Iterator[Task]:
         DataError: the file is missing, or a line is not a JSON object with
             string ``question`` and ``answer`` fields (1-based line number given).
     """
-    try:
-        f = open(path, "rb")  # noqa: SIM115 - closed by the generator's with
-    except OSError as exc:
-        raise DataError(f"cannot read GSM8K data {path}: {exc.strerror}") from None
-    with f:
+    with _open(path) as f:
         row = 0
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                obj = orjson.loads(line)
-            except orjson.JSONDecodeError as exc:
-                raise DataError(f"{path}: line {number} is not valid JSON ({exc})") from None
-            if not (isinstance(obj, dict) and isinstance(obj.get("question"), str) and isinstance(obj.get("answer"), str)):
-                raise DataError(f"{path}: line {number} needs string fields 'question' and 'answer'")
-            reference = obj["answer"].rsplit("####", 1)[-1].strip()
-            yield Task(row, obj["question"], reference)
+            yield _parse(path, number, row, line)
             row += 1
+
+
+def index_rows(path: Path) -> tuple[array, array]:
+    """Byte offsets and 1-based line numbers of the file's rows (blank lines
+    skipped): 12 bytes per row, so a worker finds a task by id without
+    holding the file or rescanning it per task."""
+    offsets, numbers = array("q"), array("i")
+    with _open(path) as f:
+        position = 0
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                offsets.append(position)
+                numbers.append(number)
+            position += len(line)
+    return offsets, numbers
+
+
+def _open(path: Path) -> Any:
+    try:
+        return open(path, "rb")  # noqa: SIM115 - the caller's with closes it
+    except OSError as exc:
+        raise DataError(f"cannot read GSM8K data {path}: {exc.strerror}") from None
+
+
+def _parse(path: Path, number: int, row: int, line: bytes) -> Task:
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        raise DataError(f"{path}: line {number} is not valid JSON ({exc})") from None
+    if not (isinstance(obj, dict) and isinstance(obj.get("question"), str) and isinstance(obj.get("answer"), str)):
+        raise DataError(f"{path}: line {number} needs string fields 'question' and 'answer'")
+    reference = obj["answer"].rsplit("####", 1)[-1].strip()
+    return Task(row, obj["question"], reference)
 
 
 class GSM8KEnvironment(Environment):
@@ -62,11 +85,34 @@ class GSM8KEnvironment(Environment):
 
     def __init__(self, data: Path) -> None:
         self.data = Path(data)
+        self._index: tuple[array, array] | None = None
         if not self.data.is_file():
             raise DataError(f"GSM8K data file not found: {self.data} (download test.jsonl from github.com/openai/grade-school-math)")
 
     def tasks(self) -> Iterator[Task]:
         return read_tasks(self.data)
+
+    def task(self, task_id: str | int) -> Task:
+        """Row ``task_id`` (0-based), read with one seek: env workers re-run
+        tasks from their ids, and scanning the file per task would make a
+        pooled eval quadratic in the dataset's size.
+
+        Raises:
+            KeyError: no such row.
+            DataError: the row is malformed.
+        """
+        try:
+            row = int(task_id)
+        except (TypeError, ValueError):
+            raise KeyError(f"gsm8k has no task {task_id!r}") from None
+        if self._index is None:
+            self._index = index_rows(self.data)
+        offsets, numbers = self._index
+        if not 0 <= row < len(offsets):
+            raise KeyError(f"gsm8k has no task {task_id!r} ({len(offsets)} rows in {self.data})")
+        with _open(self.data) as f:
+            f.seek(offsets[row])
+            return _parse(self.data, numbers[row], row, f.readline())
 
     async def harness(self, ctx: HarnessContext) -> None:
         if ctx.harness == "program":
