@@ -23,8 +23,10 @@ def run_quick(name: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", ["tables", "trainer_steps", "scoring", "interception", "workers"])
+@pytest.mark.parametrize("name", ["tables", "trainer_steps", "scoring", "interception", "workers", "churn", "eval_gsm8k"])
 def test_quick_run_prints_benchmark_json(name):
+    if name == "eval_gsm8k" and not (BENCHES.parents[1] / "shared" / "data" / "gsm8k" / "test.jsonl").is_file():
+        pytest.skip("../shared/data/gsm8k not present")
     line = run_quick(name)
     assert set(line) == {"bench", "commit", "params", "results", "targets"}
     assert line["bench"] == name and line["params"]["quick"] is True

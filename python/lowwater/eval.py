@@ -394,15 +394,17 @@ async def _one(engine: Engine, task: Task, group_size: int, on_result: Any, limi
 
 
 def _pool_size(config: EvalConfig) -> int:
-    """Persistent runtimes the run may hold at once.
+    """Persistent runtimes the run may hold at once: a few per core, never
+    more than the concurrency.
 
-    A program harness holds its runtime for the whole rollout, so it needs
-    one per concurrent rollout; an in-process harness takes one only to
-    score (briefly, warm), so a few per core serve any concurrency without
-    keeping a warm interpreter per rollout alive.
+    A program harness holds its runtime for the whole rollout, so beyond
+    this many its rollouts wait for a runtime (inside their deadline).  One
+    runtime per concurrent rollout was measured on GSM8K (1319 rollouts,
+    concurrency 32, two cores): each runtime's warm interpreters (the agent
+    program with the ``openai`` SDK, the math-verify scorer) cost 4.1 GB of
+    RSS across the process tree and re-paid their imports 32 times, 2.8x
+    slower than a pool of four (benches/eval_gsm8k.py, benches/README.md).
     """
-    if config.harness == "program":
-        return config.concurrency
     return max(1, min(config.concurrency, 2 * (os.cpu_count() or 1)))
 
 

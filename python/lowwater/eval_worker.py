@@ -98,7 +98,8 @@ class EvalJob(WorkerJob):
     async def teardown(self) -> None:
         if self.engine is not None:
             await self.plugins.fire("shutdown")
-            leftovers = {k: v for k, v in self.stats().items() if v}
+            state = {**self.engine.stats(), "intercepts": len(self.server.table)}
+            leftovers = {k: v for k, v in state.items() if v}
             if leftovers:  # every per-rollout structure should be empty here
                 log.warning("worker ends with per-rollout state left: %s", leftovers)
         self._stop.set()

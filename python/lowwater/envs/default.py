@@ -25,15 +25,28 @@ AGENT_PROGRAM = Path(__file__).with_name("agent_program.py")
 
 
 async def run_program_agent(ctx: HarnessContext, timeout_s: float | None = None) -> str:
-    """Run :mod:`lowwater.envs.agent_program` in the rollout's runtime; its stdout.
+    """Run :mod:`lowwater.envs.agent_program` in the rollout's runtime; its final text.
+
+    On a persistent runtime the program runs in the runtime's warm worker
+    (its ``main(argv)``, with the slot's ``OPENAI_*``/``ANTHROPIC_*``
+    variables applied for the call): the SDK is imported once per runtime,
+    not once per rollout.  On an ephemeral runtime it is a fresh process,
+    as a third-party agent CLI would be.
 
     Raises:
-        RolloutFailed: ``model`` class when the program exits non-zero.
+        RolloutFailed: ``model`` class when the program fails.
     """
+    from lowwater.runtime import ScriptError
+
     runtime = await ctx.runtime()
     question_file = runtime.workdir / "question.txt"
     question_file.write_text(ctx.task.prompt, encoding="utf-8")
     env = ctx.program_env() | {"LOWWATER_MODEL": ctx.model, "LOWWATER_MAX_TURNS": str(ctx.max_turns)}
+    if getattr(getattr(runtime, "config", None), "persistent", False):
+        try:
+            return await runtime.run_script(str(AGENT_PROGRAM), [str(question_file)], env=env, warm=True, timeout=timeout_s)
+        except ScriptError as exc:
+            raise RolloutFailed("model", f"agent program failed: {str(exc)[-300:]}") from None
     result = await runtime.run([sys.executable, str(AGENT_PROGRAM), str(question_file)], env=env, timeout=timeout_s)
     stdout = result.stdout.decode() if isinstance(result.stdout, bytes) else result.stdout
     if result.exit_code != 0:
