@@ -18,6 +18,27 @@ def rss_bytes(pid: int | None = None) -> int:
     return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
+def pid_rss_bytes(pid: int) -> int | None:
+    """Current RSS of ``pid`` in bytes, or ``None`` if it is gone."""
+    try:
+        return rss_bytes(pid)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def slope_bytes_per_rollout(points: list[tuple[int, int]]) -> float:
+    """Least-squares slope of RSS (bytes) against finished rollouts over the
+    second half of ``points`` (``(finished, rss_bytes)`` pairs)."""
+    half = points[len(points) // 2:]
+    if len(half) < 2 or len({x for x, _ in half}) < 2:
+        return 0.0
+    mx = sum(x for x, _ in half) / len(half)
+    my = sum(y for _, y in half) / len(half)
+    num = sum((x - mx) * (y - my) for x, y in half)
+    den = sum((x - mx) ** 2 for x, _ in half)
+    return num / den
+
+
 def commit() -> str:
     try:
         out = subprocess.run(

@@ -49,7 +49,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import MIB, emit, progress, target  # noqa: E402
+from _common import MIB, emit, progress, slope_bytes_per_rollout, target  # noqa: E402
+from _common import pid_rss_bytes as _rss  # noqa: E402
 
 import orjson  # noqa: E402
 import trio  # noqa: E402
@@ -133,25 +134,6 @@ class ChurnJob(EvalJob):
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "live_bytes": self.env.live, "live_peak_bytes": self.env.live_peak}
-
-
-def slope_bytes_per_rollout(points: list[tuple[int, int]]) -> float:
-    """Least-squares slope of RSS (bytes) against finished rollouts, second half of the points."""
-    points = points[len(points) // 2:]
-    if len(points) < 2:
-        return 0.0
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-
-
-def _rss(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 async def churn(a: argparse.Namespace) -> dict[str, float]:

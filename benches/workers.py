@@ -53,7 +53,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import MIB, emit, progress, target  # noqa: E402
+from _common import MIB, emit, progress, slope_bytes_per_rollout, target  # noqa: E402
+from _common import pid_rss_bytes as _rss  # noqa: E402
 
 import psutil  # noqa: E402
 import trio  # noqa: E402
@@ -100,25 +101,6 @@ class ChurnJob(WorkerJob):
             history.clear()
         self.finished += 1
         return [{"task_id": task_id, "turns": self.turns}]
-
-
-def slope_bytes_per_rollout(points: list[tuple[int, int]]) -> float:
-    """Least-squares slope of RSS against finished rollouts, second half."""
-    half = points[len(points) // 2:]
-    if len(half) < 2 or len({x for x, _ in half}) < 2:
-        return 0.0
-    mx = statistics.fmean(x for x, _ in half)
-    my = statistics.fmean(y for _, y in half)
-    num = sum((x - mx) * (y - my) for x, y in half)
-    den = sum((x - mx) ** 2 for x, _ in half)
-    return num / den
-
-
-def _rss(pid: int) -> int | None:
-    try:
-        return psutil.Process(pid).memory_info().rss
-    except psutil.Error:
-        return None
 
 
 async def start_phase(method: str, n: int) -> dict[str, float]:
