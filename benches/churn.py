@@ -24,8 +24,10 @@ largest RSS sampled every 50 ms.  Resting: the last settled sample.  Slope:
 least-squares fit of resting RSS against the worker's finished rollouts
 over the second half of the samples, worst worker.  Live set: the largest
 number of bytes a worker legitimately held at once, summed over its
-in-flight rollouts: each one's history, plus, during a call, its request
-body on the agent side and the same body held in the intercept table.
+in-flight rollouts: each one's images twice (the agent's history and the
+trajectory's message deltas, which hold each image once), plus, during a
+call, its request body on the agent side and the same body held in the
+intercept table.
 
 Targets (issue "Env worker processes"): peak - baseline <= 3 x live set;
 resting - baseline <= 16 MB; slope < 1 KB per rollout.
@@ -100,8 +102,10 @@ class ChurnEnvironment(Environment):
                     {"type": "text", "text": f"{ctx.task.prompt}, turn {turn}: what is in this image?"},
                     {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
                 ]})
-                self._hold(len(image))
-                held += len(image)
+                # Held twice by design: in the agent's history and, once, in
+                # the rollout's trajectory (the turn's message delta).
+                self._hold(2 * len(image))
+                held += 2 * len(image)
                 body = orjson.dumps({"model": ctx.model, "messages": history})
                 self._hold(2 * len(body))  # the agent's body and the intercept table's copy
                 try:

@@ -132,7 +132,8 @@ class Lowwater:
             lowwater.upstream.UpstreamError: the model cannot be started/reached.
         """
         from lowwater.interception import InterceptionServer
-        from lowwater.model import FreeListTransport, ModelClient
+        from lowwater.agent_client import AgentClient
+        from lowwater.model import ModelClient
 
         plugins = plugins or plugins_mod.load()
         env: Environment = plugins.environment(config.env)(config.env_options)
@@ -141,10 +142,8 @@ class Lowwater:
             async with model_server(config.model) as url, ModelClient(url, api_key=config.model.api_key) as client:
                 server = InterceptionServer(client, protocols=list(plugins.protocols.values()) or None,
                                             request_logprobs=config.request_logprobs)
-                # O(1) connection checkout for the agents' calls (see lowwater.model.FreeListTransport).
-                transport = FreeListTransport(max_idle=max(config.concurrency * config.group_size, 8))
                 async with trio.open_nursery() as nursery, \
-                        httpx.AsyncClient(transport=transport, timeout=config.timeout_s) as http:
+                        AgentClient(max_idle=max(config.concurrency * config.group_size, 8), timeout_s=config.timeout_s) as http:
                     await nursery.start(server.run)
                     store.address = await nursery.start(serve, store)
                     engine = Engine(env, server, plugins, http, harness=config.harness, model=config.model.name,

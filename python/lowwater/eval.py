@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import httpx
 import trio
 
 from lowwater import plugins as plugins_mod
@@ -268,18 +267,15 @@ async def open_engine(
     the in-process run and by each worker of a pooled one.
     """
     from lowwater.interception import InterceptionServer  # heavy imports, only for runs
-    from lowwater.model import FreeListTransport, ModelClient
+    from lowwater.agent_client import AgentClient
+    from lowwater.model import ModelClient
 
     pool = None
     try:
         async with ModelClient(upstream_url, api_key=config.model.api_key) as client:
             server = InterceptionServer(client, protocols=list(plugins.protocols.values()) or None)
-            # The in-process agents' client: O(1) connection checkout.  httpx's
-            # default pool scans every connection (and polls each idle one)
-            # per request: 28 % of the eval's CPU on GSM8K at concurrency 32.
-            transport = FreeListTransport(max_idle=config.concurrency)
             async with trio.open_nursery() as services, \
-                    httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(config.timeout_s)) as http:
+                    AgentClient(max_idle=config.concurrency, timeout_s=config.timeout_s) as http:
                 await services.start(server.run)
                 if config.persistent:
                     from lowwater.runtime import RuntimePool
