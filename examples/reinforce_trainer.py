@@ -21,7 +21,7 @@ It prints one line per step (reward, loss, bytes per step, consumer buffer
 bytes after the drain, RSS of each process) and exits 1 if any buffer is not
 empty after a drain.
 
-Usage: ``python examples/reinforce_trainer.py [--steps 20] [--groups 4] [--group-size 4]``
+Usage: ``python examples/reinforce_trainer.py [--steps 20] [--groups 4] [--group-size 4] [--workers 0]``
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=4, help="groups per step")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--consumers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=0, help="env worker processes for the rollouts (default 0: in this process)")
     args = parser.parse_args(argv)
 
     from lowwater.embedding import SyncLowwater, TrainerConfig
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     addresses = [p.recv() for p in pipes]
     leaked = False
     try:
-        with SyncLowwater(TrainerConfig(group_size=args.group_size, concurrency=args.groups)) as lw:
+        with SyncLowwater(TrainerConfig(group_size=args.group_size, concurrency=args.groups, workers=args.workers)) as lw:
             for step in range(args.steps):
                 batch = lw.next_batch(args.groups)
                 groups = [list(batch.refs[i:i + 6]) for i in range(0, len(batch.refs), 6)]

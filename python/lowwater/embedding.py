@@ -62,6 +62,13 @@ class TrainerConfig:
         harness: ``"inprocess"`` or ``"program"``.
         request_logprobs: ask the upstream for token ids and logprobs on every
             intercepted call (trainers need them; evals do not).
+        workers: env worker processes (0: every group in this process).
+            With workers, each batch's groups run in a
+            :class:`~lowwater.workers.WorkerPool` started for the batch;
+            each worker uploads its groups' shards to this process's shard
+            store, so this process owns every shard and a worker that dies
+            loses nothing (its group is re-run from the task id).
+        max_rss_mb: a worker retires past this current RSS (MiB; ``None``: never).
     """
 
     env: str = "arithmetic"
@@ -73,11 +80,25 @@ class TrainerConfig:
     timeout_s: float = 600.0
     harness: str = "inprocess"
     request_logprobs: bool = True
+    workers: int = 0
+    max_rss_mb: float | None = None
 
     def __attrs_post_init__(self) -> None:
         for name in ("group_size", "concurrency", "max_turns"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+        if self.workers < 0:
+            raise ValueError(f"workers must be >= 0, not {self.workers}")
+        if self.max_rss_mb is not None and self.max_rss_mb <= 0:
+            raise ValueError(f"max_rss_mb must be > 0, not {self.max_rss_mb}")
+
+    def eval_config(self) -> Any:
+        """The engine settings a worker needs, as an :class:`lowwater.eval.EvalConfig`."""
+        from lowwater.eval import EvalConfig
+
+        return EvalConfig(env=self.env, env_options=self.env_options, model=self.model, group_size=self.group_size,
+                          concurrency=max(self.concurrency * self.group_size, 1), max_turns=self.max_turns,
+                          timeout_s=self.timeout_s, harness=self.harness)
 
 
 @attrs.frozen
@@ -111,15 +132,19 @@ class Batch:
 class Lowwater:
     """A running lowwater for a trainer (use :meth:`open`)."""
 
-    def __init__(self, config: TrainerConfig, engine: Engine, store: ShardStore, http: httpx.AsyncClient, plugins: Any) -> None:
+    def __init__(self, config: TrainerConfig, engine: Engine | None, store: ShardStore, http: httpx.AsyncClient,
+                 plugins: Any, *, env: Environment | None = None, upstream_url: str = "") -> None:
         self.config = config
-        self.engine = engine
+        self.engine = engine  # None with workers: the engines run in the workers
         self.store = store
         self.http = http
         self.plugins = plugins
         self.step = 0
-        self._tasks = _cycle(engine.env)
+        self.env = env if env is not None else engine.env  # type: ignore[union-attr]
+        self._tasks = _cycle(self.env)
+        self._upstream_url = upstream_url
         self.closed = False
+        self.pool_reports: list[dict[str, Any]] = []
 
     @classmethod
     @asynccontextmanager
@@ -144,11 +169,14 @@ class Lowwater:
                                             request_logprobs=config.request_logprobs)
                 async with trio.open_nursery() as nursery, \
                         AgentClient(max_idle=max(config.concurrency * config.group_size, 8), timeout_s=config.timeout_s) as http:
-                    await nursery.start(server.run)
                     store.address = await nursery.start(serve, store)
-                    engine = Engine(env, server, plugins, http, harness=config.harness, model=config.model.name,
-                                    max_turns=config.max_turns, deadlines=Deadlines(rollout_s=config.timeout_s))
-                    lw = cls(config, engine, store, http, plugins)
+                    if config.workers:
+                        lw = cls(config, None, store, http, plugins, env=env, upstream_url=url)
+                    else:
+                        await nursery.start(server.run)
+                        engine = Engine(env, server, plugins, http, harness=config.harness, model=config.model.name,
+                                        max_turns=config.max_turns, deadlines=Deadlines(rollout_s=config.timeout_s))
+                        lw = cls(config, engine, store, http, plugins)
                     try:
                         yield lw
                     finally:
@@ -175,6 +203,8 @@ class Lowwater:
             raise ValueError(f"n_groups must be >= 1, not {n_groups}")
         step = self.step
         self.step += 1
+        if self.engine is None:
+            return await self._next_batch_pooled(step, n_groups)
         slots: list[tuple[Any, list[ShardRef], tuple[float, ...], int] | None] = [None] * n_groups
         limiter = trio.CapacityLimiter(self.config.concurrency)
 
@@ -216,8 +246,53 @@ class Lowwater:
         await self.plugins.fire("step_end", step=batch.step if isinstance(batch, Batch) else self.step - 1, shard_ids=ids)
         return report
 
+    async def _next_batch_pooled(self, step: int, n_groups: int) -> Batch:
+        """The batch's groups in env workers (see :class:`TrainerConfig`).
+
+        Raises:
+            lowwater.workers.WorkerStartError: workers keep failing to start.
+        """
+        import orjson
+
+        from lowwater.workers import JobSpec, WorkerPool
+
+        config = self.config
+        # "INDEX|TASK_ID": a task may come twice in one batch; the pool needs
+        # distinct ids, and the worker needs the environment's id back.
+        ids = [f"{i}|{orjson.dumps(next(self._tasks).id).decode()}" for i in range(n_groups)]
+        spec = JobSpec("lowwater.embedding_worker:make_job", {
+            "config": config.eval_config().to_json(), "upstream_url": self._upstream_url,
+            "store_url": f"http://{self.store.address}", "step": step, "request_logprobs": config.request_logprobs,
+        })
+        pool = WorkerPool(spec, workers=config.workers, concurrency_per_worker=max(1, -(-config.concurrency // config.workers)),
+                          max_tasks_per_worker=None, max_rss_mb=config.max_rss_mb, preload=("lowwater.embedding_worker",))
+        slots: list[tuple[Any, list[ShardRef], tuple[float, ...], int] | None] = [None] * n_groups
+
+        async def on_rows(rows: list[dict[str, Any]], info: Any) -> None:
+            index = int(str(info.task_id).partition("|")[0])
+            row = rows[0] if rows else {}
+            if row.get("error") or "refs" not in row:  # the job raised, or its worker kept dying
+                slots[index] = (row.get("task_id"), [], (0.0,) * config.group_size, config.group_size)
+                return
+            refs = [ShardRef.from_json(r) for r in row["refs"]]
+            slots[index] = (row["task_id"], refs, tuple(row["rewards"]), row["errors"])
+
+        report = await pool.run(ids, on_rows)
+        self.pool_reports.append(report.to_json())
+        done = [s for s in slots if s is not None]
+        return Batch(
+            step=step,
+            refs=tuple(ref for s in done for ref in s[1]),
+            rewards=tuple(s[2] for s in done),
+            task_ids=tuple(s[0] for s in done),
+            errors=sum(s[3] for s in done),
+        )
+
     def stats(self) -> dict[str, Any]:
-        """``shards`` (the store's fetch-buffer stats) and ``engine`` (registry, in-flight)."""
+        """``shards`` (the store's fetch-buffer stats) and, without workers,
+        ``engine`` (registry, in-flight) and ``intercepts``."""
+        if self.engine is None:
+            return {"shards": self.store.stats(), "engine": None, "intercepts": None}
         return {"shards": self.store.stats(), "engine": self.engine.stats(), "intercepts": self.engine.interceptor.table.stats()}
 
 

@@ -259,12 +259,15 @@ async def run_eval(
 @asynccontextmanager
 async def open_engine(
     config: EvalConfig, env: Environment, plugins: plugins_mod.Plugins, upstream_url: str,
+    *, request_logprobs: bool = False,
 ) -> AsyncIterator[tuple[Engine, Any]]:
     """An :class:`Engine` for ``env`` with its interception server running.
 
     Yields ``(engine, server)``; on exit the server is stopped and the
     runtime pool (when ``config.persistent``) closed, shielded.  Used by
-    the in-process run and by each worker of a pooled one.
+    the in-process run, by each worker of a pooled one, and by the
+    embedding API's workers (with ``request_logprobs``: trainers need
+    token ids and logprobs).
     """
     from lowwater.interception import InterceptionServer  # heavy imports, only for runs
     from lowwater.agent_client import AgentClient
@@ -273,7 +276,8 @@ async def open_engine(
     pool = None
     try:
         async with ModelClient(upstream_url, api_key=config.model.api_key) as client:
-            server = InterceptionServer(client, protocols=list(plugins.protocols.values()) or None)
+            server = InterceptionServer(client, protocols=list(plugins.protocols.values()) or None,
+                                        request_logprobs=request_logprobs)
             async with trio.open_nursery() as services, \
                     AgentClient(max_idle=config.concurrency, timeout_s=config.timeout_s) as http:
                 await services.start(server.run)

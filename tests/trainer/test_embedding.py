@@ -55,3 +55,40 @@ def test_grpo_advantages():
     adv = group_advantages([1.0, 0.0, 0.0, 1.0])
     assert np.allclose(adv, [1, -1, -1, 1], atol=1e-5)
     assert group_advantages([]) == []
+
+
+def test_groups_in_env_workers_upload_their_shards_to_the_trainer(tmp_path):
+    """With workers the trainer process owns every shard; workers keep nothing."""
+    from multiprocessing import forkserver, resource_tracker
+
+    import psutil
+
+    async def main():
+        config = TrainerConfig(group_size=2, concurrency=2, workers=2)
+        async with Lowwater.open(config) as lw, httpx.AsyncClient(timeout=30) as client, \
+                trio.open_nursery() as nursery:
+            consumer = ShardConsumer(client)
+            address = await nursery.start(serve, consumer)
+            for step in range(2):
+                batch = await lw.next_batch(3)
+                assert batch.step == step and batch.errors == 0
+                assert len(batch.refs) == 3 * len(SHARD_NAMES)
+                assert {r.owner for r in batch.refs} == {lw.store.address}  # this process owns them
+                assert lw.stats()["shards"]["entries"] == len(batch.refs)
+                views = await consumer.fetch(batch.refs)
+                ids, logprobs, mask, offsets = (np.frombuffer(v, v.dtype) for v in views[:4])
+                assert len(ids) == len(logprobs) == len(mask) == offsets[-1] > 0  # token ids came through
+                del views, ids, logprobs, mask, offsets
+                report = await lw.clear_batch(batch, consumers=[address])
+                assert report.leaked_bytes == 0 and lw.stats()["shards"]["entries"] == 0
+                assert lw.pool_reports[-1]["tasks"] == 3 and lw.pool_reports[-1]["failed_tasks"] == 0
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+        # The batch's workers are gone once next_batch returns.
+        server = [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
+        assert all(not s.children() for s in server)
+    finally:
+        forkserver._forkserver._stop()  # test-only private API: later suites count child processes
+        resource_tracker._resource_tracker._stop()

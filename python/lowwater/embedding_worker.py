@@ -1,0 +1,111 @@
+"""The job an env worker runs for the embedding API with ``workers > 0``.
+
+Each worker runs whole groups (its own engine and interception server,
+:func:`lowwater.eval.open_engine`), turns each finished group into shards
+(:func:`lowwater.producer.group_shards`) and uploads them to the trainer
+process's :class:`~lowwater.shards.ShardStore` (``PUT /shards/{id}``, raw
+bytes).  The trainer process owns every shard: a worker that retires or
+dies takes none of a step's data with it, and ``clear_batch`` has one owner
+to clear.  The worker keeps nothing of a group after its row is returned.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import orjson
+import trio
+
+from lowwater.eval import EvalConfig
+from lowwater.eval_worker import EvalJob
+from lowwater.producer import group_shards
+from lowwater.rollout import Group
+from lowwater.shards import DTYPE_HEADER, SHAPE_HEADER, ShardStore
+
+log = logging.getLogger("lowwater.embedding.worker")
+
+
+class ShardUploadError(RuntimeError):
+    """The trainer's shard store refused a shard (full: 507, or bad: 400)."""
+
+
+class EmbeddingJob(EvalJob):
+    """Groups by task, their shards uploaded to the trainer's store.
+
+    Args:
+        config: :meth:`EvalConfig.to_json` of the worker's engine settings.
+        upstream_url: the model server's base URL (ends in ``/v1``).
+        store_url: the trainer's shard store (``http://host:port``).
+        step: the trainer step (part of every group and shard id).
+        request_logprobs: ask the upstream for token ids and logprobs.
+    """
+
+    def __init__(self, config: dict[str, Any], upstream_url: str, store_url: str, step: int,
+                 request_logprobs: bool = True) -> None:
+        super().__init__(config, upstream_url)
+        self.store_url = store_url.rstrip("/")
+        self.step = step
+        self.request_logprobs = request_logprobs
+        self._uploads: httpx.AsyncClient | None = None
+
+    async def _hold(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        from lowwater.eval import open_engine
+
+        try:
+            async with httpx.AsyncClient(timeout=self.config.timeout_s) as uploads, \
+                    open_engine(self.config, self.env, self.plugins, self.upstream_url,
+                                request_logprobs=self.request_logprobs) as (engine, server):
+                self._uploads, self.engine, self.server = uploads, engine, server
+                task_status.started()
+                await self._stop.wait()
+        finally:
+            self._closed.set()
+
+    async def run(self, task_id: Any, attempt: int) -> list[dict[str, Any]]:
+        """``task_id`` is ``"INDEX|JSON_TASK_ID"`` (the group's index in its
+        batch, then the environment's task id); one row with ``refs``,
+        ``rewards`` and ``errors``."""
+        assert self.engine is not None, "setup() has not run"
+        index, _, raw = str(task_id).partition("|")
+        task = self.env.task(orjson.loads(raw))
+        group_id = f"s{self.step}-g{index}"
+        local = ShardStore()
+        refs: list[dict[str, Any]] = []
+
+        async def produce(group: Group) -> None:
+            # Before group_end and eviction: the trajectories are still live.
+            trajectories = {t.rollout_id: t for t in group.trajectories()}
+            for ref in group_shards(local, f"step{self.step}/{group.group_id}", group.rollouts, trajectories):
+                refs.append(await self._upload(local, ref.shard_id, ref.dtype, ref.shape))
+
+        try:
+            group = await self.engine.run_group(task, self.config.group_size, on_group=produce, group_id=group_id)
+        finally:
+            local.buffer.clear()
+        return [{
+            "task_id": task.id, "index": int(index), "refs": refs,
+            "rewards": [r.reward or 0.0 for r in group.rollouts],
+            "errors": sum(r.error is not None for r in group.rollouts),
+        }]
+
+    async def _upload(self, local: ShardStore, shard_id: str, dtype: str, shape: tuple[int, ...]) -> dict[str, Any]:
+        """PUT one shard to the trainer's store, then drop the local copy."""
+        assert self._uploads is not None
+        view = local.buffer.get(shard_id)
+        assert view is not None
+        response = await self._uploads.put(
+            f"{self.store_url}/shards/{quote(shard_id, safe='')}", content=bytes(memoryview(view)),
+            headers={DTYPE_HEADER: dtype, SHAPE_HEADER: ",".join(map(str, shape))})
+        del view
+        local.remove([shard_id])
+        if response.status_code != 201:
+            raise ShardUploadError(f"the trainer's shard store answered {response.status_code}: {response.text[:200]}")
+        return response.json()
+
+
+def make_job(**kwargs: Any) -> EmbeddingJob:
+    """The :class:`~lowwater.workers.JobSpec` factory."""
+    return EmbeddingJob(**kwargs)
