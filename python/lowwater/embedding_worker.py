@@ -11,7 +11,6 @@ to clear.  The worker keeps nothing of a group after its row is returned.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 from urllib.parse import quote
 
@@ -19,13 +18,10 @@ import httpx
 import orjson
 import trio
 
-from lowwater.eval import EvalConfig
 from lowwater.eval_worker import EvalJob
 from lowwater.producer import group_shards
 from lowwater.rollout import Group
 from lowwater.shards import DTYPE_HEADER, SHAPE_HEADER, ShardStore
-
-log = logging.getLogger("lowwater.embedding.worker")
 
 
 class ShardUploadError(RuntimeError):
