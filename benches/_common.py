@@ -39,6 +39,24 @@ def slope_bytes_per_rollout(points: list[tuple[int, int]]) -> float:
     return num / den
 
 
+async def settle_and_sample(pool, resting: dict[int, list[tuple[int, int]]], timeout_s: float = 30.0) -> None:
+    """Wait (up to ``timeout_s``) until every worker of ``pool`` is idle and
+    settled (collected and trimmed), then append ``(completed, rss_bytes)``
+    to ``resting[pid]`` for each worker."""
+    import trio
+
+    deadline = trio.current_time() + timeout_s
+    while trio.current_time() < deadline:
+        workers = pool.stats()["workers"].values()
+        if workers and all(w["idle"] and w["settled"] for w in workers):
+            break
+        await trio.sleep(0.02)
+    for w in pool.stats()["workers"].values():
+        rss = pid_rss_bytes(w["pid"]) if w["pid"] else None
+        if rss is not None:
+            resting.setdefault(w["pid"], []).append((w["completed"], rss))
+
+
 def commit() -> str:
     try:
         out = subprocess.run(

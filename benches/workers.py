@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import MIB, emit, progress, slope_bytes_per_rollout, target  # noqa: E402
+from _common import MIB, emit, progress, settle_and_sample, slope_bytes_per_rollout, target  # noqa: E402
 from _common import pid_rss_bytes as _rss  # noqa: E402
 
 import psutil  # noqa: E402
@@ -161,23 +161,11 @@ async def churn_phase(a: argparse.Namespace, variant: str) -> dict[str, float]:
         heartbeat_s=0.05, trim_interval_s=0.05, on_event=on_event,
     )
 
-    async def settle_and_sample() -> None:
-        deadline = trio.current_time() + 30
-        while trio.current_time() < deadline:
-            workers = pool.stats()["workers"].values()
-            if workers and all(w["idle"] and w["settled"] for w in workers):
-                break
-            await trio.sleep(0.02)
-        for w in pool.stats()["workers"].values():
-            rss = _rss(w["pid"])
-            if rss is not None:
-                resting.setdefault(w["pid"], []).append((w["completed"], rss))
-
     async def on_rows(rows: list[dict], info: Any) -> None:
         nonlocal delivered
         delivered += 1
         if delivered % a.sample_every == 0 or delivered == a.rollouts:
-            await settle_and_sample()
+            await settle_and_sample(pool, resting)
 
     async def sampler() -> None:
         while True:

@@ -120,6 +120,18 @@ class Batch:
     task_ids: tuple[Any, ...]
     errors: int
 
+    @classmethod
+    def assemble(cls, step: int, groups: Sequence[tuple[Any, Sequence[ShardRef], tuple[float, ...], int] | None]) -> Batch:
+        """A batch from per-group ``(task_id, refs, rewards, errors)`` tuples, in order (``None``: no group)."""
+        done = [g for g in groups if g is not None]
+        return cls(
+            step=step,
+            refs=tuple(ref for g in done for ref in g[1]),
+            rewards=tuple(g[2] for g in done),
+            task_ids=tuple(g[0] for g in done),
+            errors=sum(g[3] for g in done),
+        )
+
     @property
     def shard_ids(self) -> list[str]:
         return [r.shard_id for r in self.refs]
@@ -223,14 +235,7 @@ class Lowwater:
         async with trio.open_nursery() as nursery:
             for i in range(n_groups):
                 nursery.start_soon(one, i, next(self._tasks))
-        done = [s for s in slots if s is not None]
-        return Batch(
-            step=step,
-            refs=tuple(ref for s in done for ref in s[1]),
-            rewards=tuple(s[2] for s in done),
-            task_ids=tuple(s[0] for s in done),
-            errors=sum(s[3] for s in done),
-        )
+        return Batch.assemble(step, slots)
 
     async def clear_batch(self, batch: Batch | Sequence[ShardRef | str], *, consumers: Sequence[str] = ()) -> DrainReport:
         """Release the batch everywhere: this process's shard store removes its
@@ -279,14 +284,7 @@ class Lowwater:
 
         report = await pool.run(ids, on_rows)
         self.pool_reports.append(report.to_json())
-        done = [s for s in slots if s is not None]
-        return Batch(
-            step=step,
-            refs=tuple(ref for s in done for ref in s[1]),
-            rewards=tuple(s[2] for s in done),
-            task_ids=tuple(s[0] for s in done),
-            errors=sum(s[3] for s in done),
-        )
+        return Batch.assemble(step, slots)
 
     def stats(self) -> dict[str, Any]:
         """``shards`` (the store's fetch-buffer stats) and, without workers,

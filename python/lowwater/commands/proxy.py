@@ -178,21 +178,8 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
             raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.retries < 0:
         raise UsageError(f"--retries must be >= 0, got {args.retries}")
-    out_dir = Path(args.out)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out {out_dir}: {exc.strerror}") from None
-    if not os.access(out_dir, os.W_OK):
-        raise UsageError(f"--out {out_dir} is not writable")
-    dump_dir = Path(args.dump_dir) if args.dump_dir else None
-    if dump_dir is not None:
-        try:
-            dump_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(f"--dump-dir {dump_dir}: {exc.strerror}") from None
-        if not os.access(dump_dir, os.W_OK):
-            raise UsageError(f"--dump-dir {dump_dir} is not writable")
+    out_dir = _writable_dir("--out", args.out)
+    dump_dir = _writable_dir("--dump-dir", args.dump_dir) if args.dump_dir else None
     try:
         sessions = _session_config(session_timeout_s=args.session_timeout_s,
                                    cleanup_interval_s=args.cleanup_interval_s, dump_dir=dump_dir)
@@ -204,6 +191,20 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
         timeout_s=args.timeout_s, retries=args.retries, max_body_bytes=int(args.max_body_mib * (1 << 20)),
         request_logprobs=args.request_logprobs, sessions=sessions if args.sessions else None,
     )
+
+
+def _writable_dir(flag: str, path: str) -> Path:
+    """``path`` created if missing; :class:`~lowwater.cli.UsageError` naming ``flag`` if it cannot be written."""
+    from lowwater.cli import UsageError
+
+    directory = Path(path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{flag} {directory}: {exc.strerror}") from None
+    if not os.access(directory, os.W_OK):
+        raise UsageError(f"{flag} {directory} is not writable")
+    return directory
 
 
 class Admin:
