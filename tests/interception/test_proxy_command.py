@@ -142,7 +142,8 @@ def test_delete_resolves_a_waiting_call(tmp_path):
     trio.run(_with_proxy, tmp_path, fn, None)  # no admin key: loopback only, endpoints open
 
 
-def test_proxy_process_serves_and_writes_open_rollouts_on_interrupt(tmp_path):
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_proxy_process_serves_and_writes_open_rollouts_on_interrupt(tmp_path, signum, code):
     async def main():
         upstream = Upstream()
         async with trio.open_nursery() as nursery:
@@ -162,8 +163,8 @@ def test_proxy_process_serves_and_writes_open_rollouts_on_interrupt(tmp_path):
                         r = await http.post(opened["base_url"] + "/chat/completions", json=body("chat"),
                                             headers={"authorization": f"Bearer {opened['api_key']}"})
                         assert r.status_code == 200
-                    process.send_signal(signal.SIGINT)
-                    assert await process.wait() == 130
+                    process.send_signal(signum)
+                    assert await process.wait() == code
             finally:
                 if process.returncode is None:
                     process.kill()

@@ -34,7 +34,7 @@ closed.  Admin endpoints (JSON; every one requires the admin key, as
 
 The admin key comes from the environment variable ``--admin-key-env``
 (default ``LOWWATER_ADMIN_KEY``); without one the proxy refuses to listen on
-anything but a loopback address.  On shutdown the rollouts still open are
+anything but a loopback address.  On shutdown (SIGINT: exit 130; SIGTERM: 143) the rollouts still open are
 closed and written like a ``DELETE`` would.
 
 Stale cleanup: every ``--cleanup-interval-s`` a pass removes sessions idle
@@ -54,6 +54,7 @@ import ipaddress
 import logging
 import os
 import resource
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -549,16 +550,26 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     raise_open_file_limit()
 
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            url = await nursery.start(serve_proxy, config)
-            admin = "admin key required" if config.admin_key else "no admin key (loopback only)"
-            print(f"lowwater proxy: listening on {url} -> {config.upstream}; "
-                  f"admin at {url}/lowwater/ ({admin}); trajectories to {config.out_dir / TRAJECTORIES_FILE}",
-                  file=sys.stderr, flush=True)
+    async def main() -> int:
+        # SIGINT and SIGTERM end the proxy by cancellation, so the open
+        # rollouts are written (serve_proxy's shielded finally).  Left to
+        # Trio's default, Ctrl-C raises KeyboardInterrupt wherever the loop
+        # happens to be, inside hypercorn or the shutdown writes included,
+        # and under load the proxy once exited 1 instead of 130 (CI).
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                url = await nursery.start(serve_proxy, config)
+                admin = "admin key required" if config.admin_key else "no admin key (loopback only)"
+                print(f"lowwater proxy: listening on {url} -> {config.upstream}; "
+                      f"admin at {url}/lowwater/ ({admin}); trajectories to {config.out_dir / TRAJECTORIES_FILE}",
+                      file=sys.stderr, flush=True)
+                async for signum in signals:
+                    nursery.cancel_scope.cancel()
+                    return 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+        return 0
 
     try:
-        trio.run(main)
+        return trio.run(main)
     except (OSError, BaseExceptionGroup) as exc:
         from lowwater.cli import UsageError
 
@@ -568,7 +579,6 @@ def run(args: argparse.Namespace) -> int:
         if error is None:
             raise
         raise UsageError(f"cannot listen on {config.host}:{config.port}: {error.strerror or error}") from None
-    return 0
 
 
 def _first_os_error(exc: BaseException) -> OSError | None:
