@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use crate::accounting::Accounting;
 use crate::error::TableError;
 use crate::payload::Payload;
-use crate::sync::{fence, AtomicBool, AtomicU64, Map, Ordering, Slot};
+use crate::sync::{fence, AtomicBool, AtomicU64, CowList, Map, Ordering, Slot};
 
 /// One intercepted model call.
 pub struct Intercept {
@@ -40,10 +40,10 @@ impl Intercept {
 
 struct Rollout {
     closed: AtomicBool,
-    /// Request id -> the insert sequence number of the intercept it names,
-    /// so a discard removes its own id and not that of a re-insert of the
-    /// same id that landed between its two steps.
-    requests: Map<Arc<str>, u64>,
+    /// (request id, insert sequence number) of each call held for the
+    /// rollout; the number lets a discard remove its own id and not that of
+    /// a re-insert of the same id that landed between its two steps.
+    requests: CowList<(Arc<str>, u64)>,
 }
 
 /// Exact counters of an [`InterceptTable`].
@@ -97,7 +97,7 @@ impl InterceptTable {
 
     /// Start tracking `rollout_id`; idempotent.
     pub fn open_rollout(&self, rollout_id: &str) {
-        let fresh = Rollout { closed: AtomicBool::new(false), requests: Map::new() };
+        let fresh = Rollout { closed: AtomicBool::new(false), requests: CowList::new() };
         if self.rollouts.try_insert(Arc::from(rollout_id), fresh).is_ok() {
             self.open_rollouts.fetch_add(1, Ordering::Relaxed);
         }
@@ -115,11 +115,11 @@ impl InterceptTable {
             rollout.closed.store(true, Ordering::SeqCst);
             fence(Ordering::SeqCst);
             let mut swept = Vec::new();
-            rollout.requests.for_each(|req, _| {
+            for (req, _) in rollout.requests.snapshot().iter() {
                 if self.remove_owned(req, rollout_id) {
                     swept.push(req.to_string());
                 }
-            });
+            }
             swept
         });
         match swept {
@@ -199,7 +199,12 @@ impl InterceptTable {
                 return Err(duplicate());
             }
             self.acct.committed();
-            rollout.requests.insert_with(Arc::clone(&key), seq, |_| ());
+            rollout.requests.update(|held| {
+                let mut next = Vec::with_capacity(held.len() + 1);
+                next.extend(held.iter().cloned());
+                next.push((Arc::clone(&key), seq));
+                Some(next)
+            });
             fence(Ordering::SeqCst);
             if rollout.closed.load(Ordering::SeqCst) {
                 // The close may or may not have seen our id: remove our own
@@ -240,7 +245,12 @@ impl InterceptTable {
         self.discards.fetch_add(1, Ordering::Relaxed);
         // Keep the rollout's request set from growing with delivered calls.
         self.rollouts.get_with(&*intercept.rollout_id, |rollout| {
-            rollout.requests.remove_if_with(request_id, |_, seq| *seq == intercept.seq, |_| ());
+            rollout.requests.update(|held| {
+                let mine = held.iter().position(|(req, seq)| *seq == intercept.seq && &**req == request_id)?;
+                let mut next = held.to_vec();
+                next.swap_remove(mine);
+                Some(next)
+            });
         });
         true
     }
@@ -260,13 +270,12 @@ impl InterceptTable {
     pub fn rollout_requests(&self, rollout_id: &str) -> Vec<String> {
         self.rollouts
             .get_with(rollout_id, |r| {
-                let mut out = Vec::new();
-                r.requests.for_each(|req, _| {
-                    if self.entries.contains(&**req) {
-                        out.push(req.to_string());
-                    }
-                });
-                out
+                r.requests
+                    .snapshot()
+                    .iter()
+                    .filter(|(req, _)| self.entries.contains(&**req))
+                    .map(|(req, _)| req.to_string())
+                    .collect()
             })
             .unwrap_or_default()
     }
