@@ -83,8 +83,20 @@ class Conn:
         assert self.stream is not None
         head = (f"{method} {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\ncontent-type: application/json\r\n"
                 f"content-length: {len(body)}\r\n").encode() + headers + b"\r\n"
-        await self.stream.send_all(head + body)
-        return await self._response()
+        try:
+            await self.stream.send_all(head + body)
+            return await self._response()
+        except (ConnectionError, trio.BrokenResourceError):
+            # A keep-alive connection idle past the server's keep-alive timeout
+            # (hypercorn: 5 s) is closed under us; a GET that got no reply is
+            # safe to send again on a fresh connection, as HTTP clients do.
+            if method != "GET" or self.buf:
+                raise
+            await self.aclose()
+            self.buf.clear()
+            await self.connect()
+            await self.stream.send_all(head + body)
+            return await self._response()
 
     async def _fill(self) -> None:
         assert self.stream is not None
