@@ -106,3 +106,56 @@ def test_idle_connections_closed_by_the_server_are_not_reused():
         assert h.model.stats()["connections_opened"] == 3
 
     run(fn)
+
+
+def test_prune_closes_idle_connections_past_their_expiry():
+    async def fn(h):
+        raw = orjson.dumps(body("chat"))
+
+        async def call() -> None:
+            assert (await h.model.post("/v1/chat/completions", raw)).status == 200
+
+        h.upstream.latency_s = 0.05  # the calls overlap, so each takes its own connection
+        async with trio.open_nursery() as nursery:
+            for _ in range(8):
+                nursery.start_soon(call)
+        h.upstream.latency_s = 0.0
+        stats = h.model.stats()
+        assert (stats["connections_opened"], stats["connections_idle"]) == (8, 8)
+        assert await h.model.prune_idle() == 0  # none has expired yet
+        assert h.model.stats()["connections_idle"] == 8
+        for connection in [c for pool in h.model.transport._idle.values() for c in pool][:3]:
+            await connection.aclose()  # as when the upstream closes them
+        assert await h.model.prune_idle() == 3
+        stats = h.model.stats()
+        assert (stats["connections_idle"], stats["connections_pruned"]) == (5, 3)
+        await call()
+        assert h.model.stats()["connections_opened"] == 8  # a kept one was reused
+
+    run(fn, client={"keepalive_expiry_s": 600.0})
+
+
+def test_the_interception_server_prunes_its_upstream_pool_after_a_burst():
+    async def fn(h):
+        raw = orjson.dumps(body("chat"))
+
+        async def call() -> None:
+            assert (await h.model.post("/v1/chat/completions", raw)).status == 200
+
+        h.upstream.latency_s = 0.05
+        async with trio.open_nursery() as nursery:
+            for _ in range(16):
+                nursery.start_soon(call)
+        stats = h.model.stats()
+        assert stats["connections_opened"] == 16
+        assert stats["connections_idle"] + stats["connections_pruned"] == 16
+        # No traffic follows: only the server's pruning task can close them.
+        await until(lambda: h.model.stats()["connections_idle"] == 0)
+        assert h.model.stats()["connections_pruned"] == 16
+
+    run(fn, client={"keepalive_expiry_s": 0.05})
+
+
+def test_negative_keepalive_expiry_is_refused():
+    with pytest.raises(ValueError):
+        ModelClient("http://x/v1", keepalive_expiry_s=-1.0)

@@ -32,6 +32,7 @@ import itertools
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -52,6 +53,9 @@ from lowwater.trajectory import Trajectory, Turn
 log = logging.getLogger("lowwater.interception")
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
+# How often idle upstream connections are pruned when no client is known (seconds).
+DEFAULT_PRUNE_INTERVAL_S = 5.0
+MIN_PRUNE_INTERVAL_S = 0.1
 # Request headers that change what the upstream does, passed on as sent.
 _FORWARD_HEADERS = (b"anthropic-version", b"anthropic-beta", b"openai-beta")
 # After a 413, the rest of the body is read and thrown away (up to this long)
@@ -108,6 +112,9 @@ class InterceptionServer:
         request_logprobs: bool = False,
     ) -> None:
         self.upstream = upstream
+        # Every client a slot forwards through, for _prune_upstreams; weak, so
+        # a client given to register() is not kept alive by the server.
+        self._upstreams: weakref.WeakSet[ModelClient] = weakref.WeakSet([upstream] if upstream else [])
         self.table = table if table is not None else InterceptTable()
         self.max_body_bytes = max_body_bytes
         self.request_logprobs = request_logprobs
@@ -158,7 +165,22 @@ class InterceptionServer:
             self._watchers = nursery
             binds: list[str] = await nursery.start(_serve)
             self.url = "http://" + binds[0].split("://", 1)[1]
+            nursery.start_soon(self._prune_upstreams)
             task_status.started(self.url)
+
+    async def _prune_upstreams(self) -> None:
+        """Every keep-alive expiry, close the upstream connections left idle past it.
+
+        A burst of calls leaves one idle connection per concurrent call in the
+        pool, reused only from the top: without this, 1,024 of them (closed
+        by the upstream, in CLOSE_WAIT) outlived every rollout of the burst.
+        """
+        while True:
+            clients = list(self._upstreams)
+            interval = min((c.keepalive_expiry_s for c in clients), default=DEFAULT_PRUNE_INTERVAL_S)
+            await trio.sleep(max(interval, MIN_PRUNE_INTERVAL_S))  # an expiry of 0 must not spin
+            for client in clients:
+                await client.prune_idle()
 
     def register(self, trajectory: Trajectory, *, upstream: ModelClient | None = None) -> Slot:
         """Open a slot for ``trajectory``'s rollout (and the rollout in the table).
@@ -176,6 +198,7 @@ class InterceptionServer:
         client = upstream or self.upstream
         if client is None:
             raise RuntimeError("no upstream ModelClient: give one to InterceptionServer() or register()")
+        self._upstreams.add(client)
         slot = Slot(trajectory.rollout_id, f"{self.url}/v1", new_secret(), trajectory, client)
         self.slots.add(slot)
         self.table.open_rollout(slot.rollout_id)
