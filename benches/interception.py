@@ -291,7 +291,17 @@ async def hold_open(proxy_url: str, gate_url: str, proxy_pid: int, n: int) -> di
     done = [t for status, t in results if status == 200]
     rss_peak = max(rss_open, rss_bytes(proxy_pid))
     await close_rollouts(proxy_url, rollouts)
-    await trio.sleep(2.5)  # the proxy trims freed memory at most once a second, and once after the last close
+    # Resting: once the upstream connections the burst left idle are pruned
+    # (keep-alive expiry, 5 s, then the next pruning pass) and the trim after
+    # them has run; the proxy trims at most once a second.
+    trims = (await admin(ctl, "GET", "/lowwater/stats"))["trims"]
+    with trio.move_on_after(30):
+        while True:
+            stats = await admin(ctl, "GET", "/lowwater/stats")
+            if stats["upstream"]["connections_idle"] == 0 and stats["trims"] > trims:
+                break
+            await trio.sleep(0.5)
+    await trio.sleep(1.5)
     stats = await admin(ctl, "GET", "/lowwater/stats")
     await ctl.aclose()
     await gate.aclose()
@@ -306,6 +316,7 @@ async def hold_open(proxy_url: str, gate_url: str, proxy_pid: int, n: int) -> di
         "hold_rss_per_open_rollout_bytes": (rss_open - rss_base) / n,
         "hold_rss_per_registered_rollout_bytes": (rss_registered - rss_base) / n,
         "hold_intercepts_after_close_count": stats["intercepts"]["entries"],
+        "hold_upstream_idle_after_close_count": stats["upstream"]["connections_idle"],
         "rss_baseline_mb": rss_base / MIB,
         "rss_peak_mb": rss_peak / MIB,
         "rss_resting_mb": rss_bytes(proxy_pid) / MIB,
@@ -364,8 +375,10 @@ def start(argv: list[str], *, url_on: str, env: dict | None = None) -> tuple[sub
     return proc, words[0].rstrip(";")
 
 
-def start_proxy(upstream: str, out_dir: str) -> tuple[subprocess.Popen, str]:
+def start_proxy(upstream: str, out_dir: str, pythonmalloc: str | None = None) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "LOWWATER_ADMIN_KEY": ADMIN_KEY}
+    if pythonmalloc:
+        env["PYTHONMALLOC"] = pythonmalloc
     return start([sys.executable, "-c", PROXY_MAIN, "proxy", "--upstream", upstream, "--listen", "127.0.0.1:0",
                   "--out", out_dir, "--retries", "0"], url_on="stderr", env=env)
 
@@ -386,6 +399,8 @@ def main() -> None:
     p.add_argument("--calls-per-worker", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--rollouts", type=int, default=16384)
+    p.add_argument("--pythonmalloc", default=None,
+                   help="PYTHONMALLOC for the proxies (e.g. 'malloc': glibc instead of pymalloc's 1 MiB arenas)")
     p.add_argument("--phases", default="latency,throughput,hold",
                    help="comma-separated subset of latency, throughput, hold (default all)")
     p.add_argument("--_gate-child", dest="gate_child", action="store_true", help=argparse.SUPPRESS)
@@ -400,9 +415,9 @@ def main() -> None:
 
     out_dir = tempfile.mkdtemp(prefix="lowwater-bench-")
     model, model_url = start([sys.executable, "-m", "lowwater", "serve-model", "--scripted"], url_on="stdout")
-    proxy, proxy_url = start_proxy(model_url + "/v1", out_dir)
+    proxy, proxy_url = start_proxy(model_url + "/v1", out_dir, a.pythonmalloc)
     gate, gate_url = start([sys.executable, __file__, "--_gate-child"], url_on="stdout")
-    gated, gated_url = start_proxy(gate_url + "/v1", out_dir)
+    gated, gated_url = start_proxy(gate_url + "/v1", out_dir, a.pythonmalloc)
     results: dict = {}
     try:
         async def run() -> None:
@@ -458,7 +473,8 @@ def main() -> None:
             stop(proc)
     params = {"quick": a.quick, "latency_calls": a.latency_calls, "concurrency": a.concurrency,
               "calls_per_worker": a.calls_per_worker, "rounds": a.rounds, "rollouts": a.rollouts,
-              "phases": sorted(phases), "request_bytes": len(REQUEST), "cores": os.cpu_count()}
+              "phases": sorted(phases), "request_bytes": len(REQUEST), "cores": os.cpu_count(),
+              "pythonmalloc": a.pythonmalloc or "default (pymalloc)"}
     limits = {"added_p50_ms": {"max": 3.0}, "throughput_ratio": {"min": 0.4}, "hold_first_response_s": {"max": 5.0},
               "hold_failed_count": {"max": 0}, "hold_rss_per_open_rollout_bytes": {"max": 32 * 1024}}
     targets = {key: target(results[key], **bound) for key, bound in limits.items() if key in results}

@@ -198,11 +198,11 @@ class FreeListTransport(httpx.AsyncBaseTransport):
                 self._idle[key] = fresh
             else:
                 del self._idle[key]
+        self.pruned += len(stale)  # counted with the idle count it lowered, before any await
         if stale:
             with trio.CancelScope(shield=True):
                 for connection in stale:
                     await connection.aclose()
-        self.pruned += len(stale)
         return len(stale)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:

@@ -418,11 +418,25 @@ class Admin:
         entry, its connection's buffers) unless trimmed: after 16,384
         rollouts were closed the proxy stayed 600 MB over its baseline
         without this.
+
+        Upstream connections the interception server prunes after a burst
+        (idle past their keep-alive expiry) free memory without a close, so a
+        rise in the upstream's ``connections_pruned`` also calls for a trim.
         """
         import trio
 
+        upstream = self.server.upstream
+
+        def pruned() -> int:
+            return upstream.stats()["connections_pruned"] if upstream is not None else 0
+
+        seen = pruned()
         while True:
-            await self._dirty.wait()
+            with trio.move_on_after(upstream.keepalive_expiry_s if upstream is not None else 5.0):
+                await self._dirty.wait()
+            if not self._dirty.is_set() and pruned() == seen:
+                continue
+            seen = pruned()
             self._dirty = trio.Event()
             await trio.to_thread.run_sync(self.trimmer)
             await trio.sleep(1.0)
