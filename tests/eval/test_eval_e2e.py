@@ -195,3 +195,36 @@ def test_gsm8k_task_by_id_matches_the_stream(tmp_path):
     assert env.task(0).answer == "1"
     with pytest.raises(DataError, match="line 3"):
         env.task(1)
+
+
+@pytest.mark.parametrize(("signum", "workers"), [(signal.SIGINT, 0), (signal.SIGTERM, 0), (signal.SIGINT, 2)])
+def test_signal_cancels_the_run_and_resume_completes_it(tmp_path, signum, workers):
+    """Ctrl-C (or SIGTERM) mid-run: exit 130 (143), no traceback, every line of the
+    results file whole, in-flight rows written as cancelled; --resume re-runs
+    the cancelled and unstarted tasks, one row per task."""
+    out = tmp_path / "r.jsonl"
+    n = 60
+    argv = [sys.executable, "-m", "lowwater", "eval", "-n", str(n), "-c", "2", "--out", str(out), "--no-progress",
+            "--workers", str(workers)]
+    proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if out.exists() and out.read_bytes().count(b"\n") >= 4:
+                break
+            time.sleep(0.05)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signum, err
+    assert "interrupted" in err and "--resume" in err and "Traceback" not in err, err
+    lines = out.read_bytes().splitlines()
+    rows = [orjson.loads(line) for line in lines[1:]]  # every line parses: nothing torn
+    assert 3 <= len(rows) < n, "the signal should land mid-run"
+    done = lowwater("eval", "-n", str(n), "-c", "4", "--out", "r.jsonl", "--resume", "--workers", str(workers),
+                    cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sorted(r["task_id"] for r in rows_of(out)) == list(range(n))
+    assert all(r.get("error") is None for r in rows_of(out))

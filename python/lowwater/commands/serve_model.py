@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         nonlocal bound
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_stop_on_sigterm, nursery.cancel_scope)
+            nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
             url = await nursery.start(serve_model, model, args.host, args.port)
             bound = True
             print(url, flush=True)
@@ -111,13 +111,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _stop_on_sigterm(scope: Any) -> None:
-    """SIGTERM (how the eval runner stops its child server) ends the run cleanly, like Ctrl-C."""
+async def _stop_on_signal(scope: Any) -> None:
+    """Ctrl-C and SIGTERM (how the eval runner stops its child server) end the run by cancellation.
+
+    Left to Trio's default, Ctrl-C raises KeyboardInterrupt wherever the
+    loop is, inside hypercorn's shutdown included (the proxy once exited 1
+    instead of 130 that way under load).  The handlers are restored once the
+    first signal is taken, so a second Ctrl-C still interrupts.
+    """
     import signal
 
     import trio
 
-    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
             scope.cancel()
             return
