@@ -34,6 +34,10 @@ class Turn:
             (responses) added since the previous turn of this trajectory; the
             whole list only on the first turn or when the agent rewrote its
             history.  Parsed JSON objects.
+        request_delta_start: where ``request_delta`` starts in the request's
+            list: the previous request's length when the agent appended, 0
+            when it rewrote its history (the delta then replaces it).  The
+            request of turn ``k`` is ``request(k-1)[:start] + request_delta``.
         completion: the assistant's output as the protocol returns it (chat:
             the ``choices[0].message`` object; messages: the ``content``
             blocks; responses: the ``output`` items).
@@ -60,6 +64,7 @@ class Turn:
     duration_s: float = 0.0
     streamed: bool = False
     error: str | None = None
+    request_delta_start: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """A plain dict for JSON output (orjson-serialisable)."""
@@ -76,7 +81,7 @@ class Trajectory:
         group_id: the group's id, or ``None`` for an ungrouped rollout.
         turns: the recorded turns, in call order.
         messages_seen: how many request messages earlier turns covered; the
-            next turn's delta starts there.
+            next turn's delta starts there if the history was appended to.
     """
 
     rollout_id: str
@@ -84,18 +89,31 @@ class Trajectory:
     group_id: str | None = None
     turns: list[Turn] = attrs.field(factory=list)
     messages_seen: int = 0
+    # The history seen so far, as references to the message objects the
+    # turns' deltas already hold (a pointer per message, no copy): the check
+    # that a new request appended to it rather than rewrote it.
+    _history: list[Any] = attrs.field(factory=list, init=False, repr=False)
 
-    def message_delta(self, messages: list[Any]) -> list[Any]:
-        """The part of ``messages`` that earlier turns have not recorded.
+    def message_delta(self, messages: list[Any]) -> tuple[int, list[Any]]:
+        """``(start, delta)``: the part of ``messages`` that earlier turns have
+        not recorded, and where it starts.
 
         Agents resend the whole history on every call; recording only what is
-        new keeps a trajectory linear in the conversation, not quadratic.  If
-        the history is shorter than what was seen (the agent truncated or
-        rewrote it) the whole list is the delta.
+        new keeps a trajectory linear in the conversation, not quadratic.  The
+        request counts as appended to the history seen when it starts with
+        every message of it (``==`` on parsed JSON: the same order of work as
+        parsing the request); otherwise (truncated, compacted, a system
+        message re-rendered, a sliding window of the same length) the agent
+        rewrote it and the whole list is the delta, from 0.  Judging by
+        length alone recorded an empty delta for a rewrite of equal length.
         """
-        start = self.messages_seen if len(messages) >= self.messages_seen else 0
+        history = self._history
+        appended = len(messages) >= len(history) and all(a == b for a, b in zip(messages, history))
+        start = len(history) if appended else 0
+        delta = messages[start:]
+        self._history = history + delta if appended else list(messages)
         self.messages_seen = len(messages)
-        return messages[start:]
+        return start, delta
 
     def add_turn(self, turn: Turn) -> None:
         self.turns.append(turn)

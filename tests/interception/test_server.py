@@ -80,6 +80,7 @@ def test_turns_keep_the_message_delta_not_the_history(kind, stream):
             await r.aread()
             history = [*history, {"role": "user", "content": content}, {"role": "assistant", "content": f"done {i}"}]
         assert [len(t.request_delta) for t in trajectory.turns] == [1, 2, 2, 2]
+        assert [t.request_delta_start for t in trajectory.turns] == [0, 1, 3, 5]
         # Each image is held once across the trajectory (one object per turn that sent it new).
         images = [part["data"] for t in trajectory.turns for m in t.request_delta if isinstance(m["content"], list)
                   for part in m["content"] if part["type"] == "image"]

@@ -333,7 +333,7 @@ class InterceptionServer:
         slot = call.slot
         # Of the parsed body only the delta outlives this line (the rest is
         # the history earlier turns recorded, base64 images included).
-        call.delta = slot.trajectory.message_delta(call.messages)
+        call.delta_start, call.delta = slot.trajectory.message_delta(call.messages)
         call.messages = []
         scope = trio.CancelScope()
         slot.handlers.add(scope)
@@ -399,6 +399,7 @@ class InterceptionServer:
         trajectory = call.slot.trajectory
         trajectory.add_turn(Turn(
             index=len(trajectory.turns), protocol=call.protocol.name, model=call.model, request_delta=call.delta,
+            request_delta_start=call.delta_start,
             completion=done.completion, finish_reason=done.finish_reason, usage=done.usage,
             token_ids=done.token_ids, logprobs=done.logprobs, started_s=call.wall_s,
             duration_s=time.perf_counter() - call.started_s, streamed=call.stream, error=error,
@@ -503,7 +504,7 @@ class _Call:
     """One call's state, shared by the handler, the disconnect watcher and the recorder."""
 
     __slots__ = ("request_id", "protocol", "slot", "model", "stream", "messages", "forward", "headers", "delta",
-                 "started_s", "wall_s", "started", "finished", "done", "disconnected", "recorded", "error")
+                 "delta_start", "started_s", "wall_s", "started", "finished", "done", "disconnected", "recorded", "error")
 
     def __init__(self, request_id: str, protocol: Protocol, slot: Slot, model: str, stream: bool,
                  messages: list[Any], forward: bytes | None, headers: dict[str, str]) -> None:
@@ -516,6 +517,7 @@ class _Call:
         self.forward = forward
         self.headers = headers
         self.delta: list[Any] = []
+        self.delta_start = 0
         self.started_s = time.perf_counter()
         self.wall_s = time.time()
         self.started = False  # response headers sent
