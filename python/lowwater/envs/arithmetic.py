@@ -14,7 +14,7 @@ multi-turn tool use serves these.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import attrs
 
@@ -83,7 +83,15 @@ def _trip(rng: random.Random, name: str) -> tuple[str, list[tuple[str, str]]]:
                (f"{hours}+{format_result(evaluate(f'{dist}/{back_speed}'))}", "The trip takes {} hours.")]
 
 
-_KINDS = (_bakery, _savings, _garden, _trip)
+Template = Callable[[random.Random, str], tuple[str, list[tuple[str, str]]]]
+
+TEMPLATES: dict[str, Template] = {"bakery": _bakery, "savings": _savings, "garden": _garden, "trip": _trip}
+"""The story templates by name: ``template(rng, name) -> (question, plan)``, where
+``plan`` is ``[(expression, sentence with one "{}" for the worked step)]``.
+Each draws its numbers from ``rng`` in a fixed order; the scripted model
+(:mod:`lowwater.serve_model.scripted`) replays them to recognise a question."""
+
+_KINDS = tuple(TEMPLATES.values())  # the order problem() draws from: part of every seed's taskset
 
 
 def problem(seed: int, index: int) -> Problem:

@@ -8,7 +8,7 @@ How it recognises an arithmetic problem, from the request text alone (the
 server is stateless and the question does not carry its seed): each of the
 generator's four story templates has a pattern here; a match gives the
 name and numbers, which are fed back to that template's own generator
-function (read-only use of :mod:`lowwater.envs.arithmetic`) through a stand-in
+function (``lowwater.envs.arithmetic.TEMPLATES``) through a stand-in
 for its random source.  The problem counts as recognised only if the
 regenerated question equals the matched text and every number lies in the
 generator's ranges, so a template change in ``arithmetic.py`` makes the
@@ -39,26 +39,26 @@ _N = r"(\d+)"
 # order the generator asks its random source for them).  The name is group 1.
 _TEMPLATES: list[tuple[Callable[..., Any], re.Pattern[str], Callable[[list[int]], list[int]]]] = [
     (
-        arithmetic._bakery,
+        arithmetic.TEMPLATES["bakery"],
         re.compile(rf"([A-Z][a-z]+) bakes {_N} trays of rolls with {_N} rolls on each tray\. \1 sells {_N} rolls "
                    rf"and packs the rest into bags of {_N}\. How many full bags does \1 pack\?"),
         lambda n: [n[0], n[1], n[2], n[3]],
     ),
     (
-        arithmetic._savings,
+        arithmetic.TEMPLATES["savings"],
         re.compile(rf"([A-Z][a-z]+) saves \${_N} every week for {_N} weeks, then buys {_N} books that cost \${_N} "
                    rf"each\. How many dollars does \1 have left\?"),
         lambda n: [n[0], n[1], n[3], n[2]],  # weekly, weeks, price, count
     ),
     (
-        arithmetic._garden,
+        arithmetic.TEMPLATES["garden"],
         re.compile(rf"([A-Z][a-z]+) plants {_N} rows of tomatoes with {_N} plants in each row\. {_N}% of the plants "
                    rf"die\. Each surviving plant gives {_N} tomatoes\. How many tomatoes does \1 harvest\?"),
         # rows and plants are drawn as multiples of 5 and 4.
         lambda n: [n[0] // 5 if n[0] % 5 == 0 else -1, n[1] // 4 if n[1] % 4 == 0 else -1, n[2], n[3]],
     ),
     (
-        arithmetic._trip,
+        arithmetic.TEMPLATES["trip"],
         re.compile(rf"([A-Z][a-z]+) drives at {_N} km per hour for {_N} hours, then cycles back the same distance "
                    rf"at {_N} km per hour\. How many hours does the whole trip take\?"),
         lambda n: [n[0], n[1], n[2]],
