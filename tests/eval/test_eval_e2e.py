@@ -26,6 +26,15 @@ def lowwater(*args: str, cwd: Path, timeout: float = 240) -> subprocess.Complete
     return subprocess.run([sys.executable, "-m", "lowwater", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+def wait_for_lines(path: Path, lines: int, timeout_s: float = 120) -> None:
+    """Poll until ``path`` holds ``lines`` lines (header included) or the timeout passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_bytes().count(b"\n") >= lines:
+            return
+        time.sleep(0.05)
+
+
 def rows_of(path: Path) -> list[dict]:
     header, rows, torn = read_rows(path)
     assert header is not None and not torn
@@ -104,11 +113,7 @@ def test_resume_after_sigkill_has_one_row_per_task(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "lowwater", "eval", "-n", str(n), "-c", "2", "--out", str(out), "--no-progress"],
                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if out.exists() and out.read_bytes().count(b"\n") >= 4:
-                break
-            time.sleep(0.05)
+        wait_for_lines(out, 4)
         os.killpg(proc.pid, signal.SIGKILL)  # the eval and its serve-model child
     finally:
         proc.wait()
@@ -208,11 +213,7 @@ def test_signal_cancels_the_run_and_resume_completes_it(tmp_path, signum, worker
             "--workers", str(workers)]
     proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if out.exists() and out.read_bytes().count(b"\n") >= 4:
-                break
-            time.sleep(0.05)
+        wait_for_lines(out, 4)
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=120)
     finally:
