@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -46,9 +47,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import MIB, emit, progress, rss_bytes, target  # noqa: E402
 
 ADMIN_KEY = "bench-admin"
-# Until `lowwater proxy` is listed in cli.SUBCOMMANDS, register it on the fly.
-PROXY_MAIN = ("import sys; from lowwater import cli; m = 'lowwater.commands.proxy'; "
-              "m in cli.SUBCOMMANDS or cli.SUBCOMMANDS.append(m); sys.exit(cli.main(sys.argv[1:]))")
+# The proxy's entry point (a variable so a diagnostic driver can wrap it).
+PROXY_MAIN = "import sys; from lowwater import cli; sys.exit(cli.main(sys.argv[1:]))"
 REQUEST = orjson.dumps({
     "model": "bench",
     "messages": [
@@ -73,7 +73,8 @@ class Conn:
     async def connect(self) -> None:
         self.stream = await trio.open_tcp_stream(self.host, self.port)
 
-    async def request(self, method: str, path: str, body: bytes = b"", headers: bytes = b"") -> tuple[int, bytes]:
+    async def request(self, method: str, path: str, body: bytes = b"", headers: bytes = b"", *,
+                      idempotent: bool = False) -> tuple[int, bytes]:
         if self.closing:
             await self.aclose()
             self.stream, self.closing = None, False
@@ -89,8 +90,10 @@ class Conn:
         except (ConnectionError, trio.BrokenResourceError):
             # A keep-alive connection idle past the server's keep-alive timeout
             # (hypercorn: 5 s) is closed under us; a GET that got no reply is
-            # safe to send again on a fresh connection, as HTTP clients do.
-            if method != "GET" or self.buf:
+            # safe to send again on a fresh connection, as HTTP clients do;
+            # so are the gate's POSTs (a slow flood left the gate's control
+            # connection idle past 5 s and its release was lost).
+            if not (idempotent or method == "GET") or self.buf:
                 raise
             await self.aclose()
             self.buf.clear()
@@ -248,7 +251,7 @@ async def hold_open(proxy_url: str, gate_url: str, proxy_pid: int, n: int) -> di
     warm = await open_rollouts(proxy_url, 1)
     assert (await Conn(host, port).request("POST", "/v1/chat/completions", REQUEST, auth(warm[0])))[0] == 200
     await close_rollouts(proxy_url, warm)
-    await gate.request("POST", "/gate/hold")
+    await gate.request("POST", "/gate/hold", idempotent=True)
     rss_base = rss_bytes(proxy_pid)
     t_open = time.perf_counter()
     rollouts = await open_rollouts(proxy_url, n)
@@ -294,7 +297,7 @@ async def hold_open(proxy_url: str, gate_url: str, proxy_pid: int, n: int) -> di
         progress(f"  all {n} calls open at the proxy after {all_open_s:.1f} s; releasing the gate")
         t_release = time.perf_counter()
         released.set()
-        await gate.request("POST", "/gate/release")
+        await gate.request("POST", "/gate/release", idempotent=True)
     done = [t for status, t in results if status == 200]
     rss_peak = max(rss_open, rss_bytes(proxy_pid))
     await close_rollouts(proxy_url, rollouts)
@@ -379,6 +382,9 @@ def start(argv: list[str], *, url_on: str, env: dict | None = None) -> tuple[sub
     if not words:
         proc.kill()
         raise RuntimeError(f"{argv[:4]} did not report a URL: {line!r}")
+    # Keep draining the pipe: a child whose log fills the 64 KiB pipe buffer
+    # would block mid-request and the bench would measure the stall.
+    threading.Thread(target=lambda: [sys.stderr.write(rest) for rest in stream], daemon=True).start()
     return proc, words[0].rstrip(";")
 
 
