@@ -80,15 +80,12 @@ class Trajectory:
         task_id: the task's stable id (dataset row index or environment id).
         group_id: the group's id, or ``None`` for an ungrouped rollout.
         turns: the recorded turns, in call order.
-        messages_seen: how many request messages earlier turns covered; the
-            next turn's delta starts there if the history was appended to.
     """
 
     rollout_id: str
     task_id: str | int = ""
     group_id: str | None = None
     turns: list[Turn] = attrs.field(factory=list)
-    messages_seen: int = 0
     # The history seen so far, as references to the message objects the
     # turns' deltas already hold (a pointer per message, no copy): the check
     # that a new request appended to it rather than rewrote it.
@@ -111,9 +108,17 @@ class Trajectory:
         appended = len(messages) >= len(history) and all(a == b for a, b in zip(messages, history))
         start = len(history) if appended else 0
         delta = messages[start:]
-        self._history = history + delta if appended else list(messages)
-        self.messages_seen = len(messages)
+        if appended:
+            history.extend(delta)  # in place: a copy per turn would be quadratic in the conversation
+        else:
+            self._history = list(messages)
         return start, delta
+
+    @property
+    def messages_seen(self) -> int:
+        """How many request messages earlier turns covered: the next turn's
+        delta starts there if the agent appends to its history."""
+        return len(self._history)
 
     def add_turn(self, turn: Turn) -> None:
         self.turns.append(turn)
