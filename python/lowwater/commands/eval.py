@@ -20,6 +20,7 @@ import orjson
 import trio
 
 from lowwater.cli import UsageError
+from lowwater.commands.signals import until_signal
 
 DEFAULT_OUT_DIR = Path("runs")
 
@@ -109,10 +110,10 @@ def run(args: argparse.Namespace) -> int:
     on_progress = None if progress is None else progress.update
     try:
         if progress is None:
-            report, signum = trio.run(_until_signal, lambda: eval_mod.run_eval(config))
+            report, signum = trio.run(until_signal, lambda: eval_mod.run_eval(config))
         else:
             with progress:
-                report, signum = trio.run(_until_signal, lambda: eval_mod.run_eval(config, on_progress=on_progress))
+                report, signum = trio.run(until_signal, lambda: eval_mod.run_eval(config, on_progress=on_progress))
     except user_errors as exc:
         # Environment options and data files: a missing file or a malformed
         # line is reported by the environment with its path and line number.
@@ -137,42 +138,6 @@ def run(args: argparse.Namespace) -> int:
     if args.memory_plot is not None:
         plot_memory(report.memory, args.memory_plot)
     return 0
-
-
-async def _until_signal(work: Any) -> tuple[Any, int]:
-    """``(await work(), 0)``, or ``(None, signum)`` once SIGINT or SIGTERM cancelled it.
-
-    The signal cancels the run, so every in-flight rollout takes its
-    cancellation path (closed, swept, its row written as ``cancelled``) and
-    the results file stays resumable.  Left to Trio's default, Ctrl-C raises
-    KeyboardInterrupt wherever the loop is (the proxy once exited 1 instead
-    of 130 that way, under load in CI).  Only the first signal is taken: the
-    handlers are restored at once, so a second Ctrl-C interrupts the
-    cleanup itself.
-    """
-    import signal
-
-    result: list[Any] = []
-    caught: list[int] = []
-
-    async def run(nursery: trio.Nursery) -> None:
-        result.append(await work())
-        nursery.cancel_scope.cancel()
-
-    async def watch(nursery: trio.Nursery, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            task_status.started()
-            async for signum in signals:
-                caught.append(signum)
-                nursery.cancel_scope.cancel()
-                return
-
-    async with trio.open_nursery() as nursery:
-        await nursery.start(watch, nursery)
-        nursery.start_soon(run, nursery)
-    if result:  # finished as the signal came: the run is whole
-        return result[0], 0
-    return None, caught[0]
 
 
 def _single_leaf(group: BaseExceptionGroup) -> BaseException | None:

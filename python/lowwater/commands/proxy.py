@@ -54,7 +54,6 @@ import ipaddress
 import logging
 import os
 import resource
-import signal
 import sys
 import uuid
 from pathlib import Path
@@ -561,29 +560,25 @@ def raise_open_file_limit() -> int:
 def run(args: argparse.Namespace) -> int:
     import trio
 
+    from lowwater.commands.signals import until_signal
+
     config = config_from_args(args)
     raise_open_file_limit()
 
-    async def main() -> int:
-        # SIGINT and SIGTERM end the proxy by cancellation, so the open
-        # rollouts are written (serve_proxy's shielded finally).  Left to
-        # Trio's default, Ctrl-C raises KeyboardInterrupt wherever the loop
-        # happens to be, inside hypercorn or the shutdown writes included,
-        # and under load the proxy once exited 1 instead of 130 (CI).
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async with trio.open_nursery() as nursery:
-                url = await nursery.start(serve_proxy, config)
-                admin = "admin key required" if config.admin_key else "no admin key (loopback only)"
-                print(f"lowwater proxy: listening on {url} -> {config.upstream}; "
-                      f"admin at {url}/lowwater/ ({admin}); trajectories to {config.out_dir / TRAJECTORIES_FILE}",
-                      file=sys.stderr, flush=True)
-                async for signum in signals:
-                    nursery.cancel_scope.cancel()
-                    return 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
-        return 0
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(serve_proxy, config)
+            admin = "admin key required" if config.admin_key else "no admin key (loopback only)"
+            print(f"lowwater proxy: listening on {url} -> {config.upstream}; "
+                  f"admin at {url}/lowwater/ ({admin}); trajectories to {config.out_dir / TRAJECTORIES_FILE}",
+                  file=sys.stderr, flush=True)
+            await trio.sleep_forever()
 
     try:
-        return trio.run(main)
+        # SIGINT and SIGTERM end the proxy by cancellation, so the open
+        # rollouts are written (serve_proxy's shielded finally).
+        _, signum = trio.run(until_signal, main)
+        return 128 + signum if signum else 0  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
     except (OSError, BaseExceptionGroup) as exc:
         from lowwater.cli import UsageError
 

@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     import trio
 
     from lowwater.cli import UsageError
+    from lowwater.commands.signals import until_signal
     from lowwater.serve_model import serve_model
 
     model = build_model(args)
@@ -88,7 +89,6 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         nonlocal bound
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
             url = await nursery.start(serve_model, model, args.host, args.port)
             bound = True
             print(url, flush=True)
@@ -96,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
 
     try:
-        trio.run(main)
+        # Ctrl-C and SIGTERM (how the eval runner stops its child server) end it by cancellation.
+        trio.run(until_signal, main)
         print("lowwater serve-model: stopped", file=sys.stderr)
     except BaseException as exc:  # noqa: BLE001 - sorted below, re-raised unless expected
         leaves = list(_leaves(exc))
@@ -109,24 +110,6 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot bind {args.host}:{args.port}: {err.strerror or err}") from None
         raise
     return 0
-
-
-async def _stop_on_signal(scope: Any) -> None:
-    """Ctrl-C and SIGTERM (how the eval runner stops its child server) end the run by cancellation.
-
-    Left to Trio's default, Ctrl-C raises KeyboardInterrupt wherever the
-    loop is, inside hypercorn's shutdown included (the proxy once exited 1
-    instead of 130 that way under load).  The handlers are restored once the
-    first signal is taken, so a second Ctrl-C still interrupts.
-    """
-    import signal
-
-    import trio
-
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
-            scope.cancel()
-            return
 
 
 def _leaves(error: BaseException) -> Iterator[BaseException]:
