@@ -142,6 +142,8 @@ def test_the_interception_server_prunes_its_upstream_pool_after_a_burst():
         async def call() -> None:
             assert (await h.model.post("/v1/chat/completions", raw)).status == 200
 
+        reported: list[int] = []
+        h.server.on_pruned = reported.append  # lowwater proxy trims on it
         h.upstream.latency_s = 0.05
         async with trio.open_nursery() as nursery:
             for _ in range(16):
@@ -152,6 +154,8 @@ def test_the_interception_server_prunes_its_upstream_pool_after_a_burst():
         # No traffic follows: only the server's pruning task can close them.
         await until(lambda: h.model.stats()["connections_idle"] == 0)
         assert h.model.stats()["connections_pruned"] == 16
+        # Every pass that closed some reported it, and only those.
+        assert sum(reported) == 16 and all(n > 0 for n in reported)
 
     run(fn, client={"keepalive_expiry_s": 0.05})
 

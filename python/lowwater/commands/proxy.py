@@ -232,6 +232,9 @@ class Admin:
 
         self.trimmer = Trimmer(min_interval_s=0.0)  # trim_loop paces it
         self._dirty = trio.Event()
+        # Upstream connections pruned after a burst free memory without a
+        # close: they call for a trim too.
+        server.on_pruned = lambda closed: self._dirty.set()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         from lowwater.asgi import handle
@@ -419,23 +422,13 @@ class Admin:
         without this.
 
         Upstream connections the interception server prunes after a burst
-        (idle past their keep-alive expiry) free memory without a close, so a
-        rise in the upstream's ``connections_pruned`` also calls for a trim.
+        (idle past their keep-alive expiry) free memory without a close: the
+        server's ``on_pruned`` marks the proxy dirty as a close does.
         """
         import trio
 
-        upstream = self.server.upstream
-
-        def pruned() -> int:
-            return upstream.stats()["connections_pruned"] if upstream is not None else 0
-
-        seen = pruned()
         while True:
-            with trio.move_on_after(upstream.keepalive_expiry_s if upstream is not None else 5.0):
-                await self._dirty.wait()
-            if not self._dirty.is_set() and pruned() == seen:
-                continue
-            seen = pruned()
+            await self._dirty.wait()
             self._dirty = trio.Event()
             await trio.to_thread.run_sync(self.trimmer)
             await trio.sleep(1.0)

@@ -97,6 +97,10 @@ class InterceptionServer:
         table: the :class:`~lowwater.InterceptTable` (entries live for one call).
         url: ``http://HOST:PORT`` once :meth:`run` has started, else ``""``.
         routes: protocol by path.
+        on_pruned: ``None`` or a callable given the number of idle upstream
+            connections a pruning pass closed (called on the loop, only when
+            it closed some): freed memory an owner may want to trim
+            (``lowwater proxy`` does).
 
     Raises:
         ValueError: two protocols share a name or a path.
@@ -126,6 +130,7 @@ class InterceptionServer:
             self.routes[protocol.path.rstrip("/")] = protocol
             names.add(protocol.name)
         self.url = ""
+        self.on_pruned: Callable[[int], None] | None = None
         self.slots = SlotRegistry()
         self._mounts: list[tuple[str, App]] = []
         self._watchers: trio.Nursery | None = None
@@ -179,8 +184,11 @@ class InterceptionServer:
             clients = list(self._upstreams)
             interval = min((c.keepalive_expiry_s for c in clients), default=DEFAULT_PRUNE_INTERVAL_S)
             await trio.sleep(max(interval, MIN_PRUNE_INTERVAL_S))  # an expiry of 0 must not spin
+            closed = 0
             for client in clients:
-                await client.prune_idle()
+                closed += await client.prune_idle()
+            if closed and self.on_pruned is not None:
+                self.on_pruned(closed)
 
     def register(self, trajectory: Trajectory, *, upstream: ModelClient | None = None) -> Slot:
         """Open a slot for ``trajectory``'s rollout (and the rollout in the table).
