@@ -22,6 +22,8 @@ pub const DTYPES: &[(&str, usize)] = &[
 ];
 
 /// The canonical (static) name and item size in bytes of `dtype`.
+///
+/// Errors: [`TableError::Invalid`] for a name not in [`DTYPES`].
 pub fn lookup(dtype: &str) -> Result<(&'static str, usize), TableError> {
     DTYPES.iter().find(|(name, _)| *name == dtype).copied().ok_or_else(|| {
         let names: Vec<&str> = DTYPES.iter().map(|(n, _)| *n).collect();
@@ -30,11 +32,16 @@ pub fn lookup(dtype: &str) -> Result<(&'static str, usize), TableError> {
 }
 
 /// Item size in bytes of `dtype`.
+///
+/// Errors: [`TableError::Invalid`] for a name not in [`DTYPES`].
 pub fn itemsize(dtype: &str) -> Result<usize, TableError> {
     lookup(dtype).map(|(_, size)| size)
 }
 
 /// Bytes a shard of `dtype` and `shape` must hold (checked for overflow).
+///
+/// Errors: [`TableError::Invalid`] for an unknown dtype, or when the size
+/// overflows `usize`.
 pub fn expected_nbytes(dtype: &str, shape: &[usize]) -> Result<usize, TableError> {
     let mut n = itemsize(dtype)?;
     for &dim in shape {

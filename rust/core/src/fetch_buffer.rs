@@ -14,28 +14,44 @@ use crate::sync::{AtomicU64, Map, Ordering, Slot};
 
 /// One shard: a contiguous payload and what it holds.
 pub struct Shard {
+    /// The shard's id, its key in the buffer.
     pub id: Arc<str>,
+    /// Element type, by its numpy name (one of [`crate::dtype::DTYPES`]).
     pub dtype: &'static str,
+    /// Dimensions, in elements; `payload.len()` is their product times the
+    /// dtype's item size in bytes.
     pub shape: Box<[usize]>,
+    /// Who the shard was fetched from (free text; may be empty).
     pub owner: Box<str>,
+    /// The shard's bytes.
     pub payload: Payload,
 }
 
 /// Exact counters of a [`FetchBuffer`] (all bytes are payload bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct FetchStats {
+    /// Shards held now.
     pub entries: u64,
+    /// Payload bytes held now (including reservations of puts in progress).
     pub bytes: u64,
+    /// Largest `bytes` seen after a completed put.
     pub peak_bytes: u64,
     /// Payload bytes still allocated, including removed ones a view holds.
     pub live_bytes: u64,
+    /// Puts that stored a shard (replacements included).
     pub inserts: u64,
+    /// `get`/`pop` calls that found their shard.
     pub hits: u64,
+    /// `get`/`pop` calls that did not.
     pub misses: u64,
+    /// Shards taken out: popped, cleared, or replaced by a put.
     pub removals: u64,
+    /// Puts refused over capacity ([`TableError::Full`]).
     pub rejected: u64,
 }
 
+/// A consumer's shard fetch buffer: `shard_id -> shard`, a lock-free map with
+/// explicit eviction only and an optional capacity bound in payload bytes.
 pub struct FetchBuffer {
     map: Map<Arc<str>, Slot<Shard>>,
     acct: Accounting,
@@ -60,10 +76,12 @@ impl FetchBuffer {
         }
     }
 
+    /// The bound on held payload bytes given at construction (`None`: unbounded).
     pub fn capacity_bytes(&self) -> Option<u64> {
         self.acct.capacity()
     }
 
+    /// Payloads of at least this many bytes get their own anonymous mapping.
     pub fn mmap_threshold(&self) -> usize {
         self.mmap_threshold
     }
@@ -101,13 +119,7 @@ impl FetchBuffer {
             }
         };
         let key: Arc<str> = Arc::from(id);
-        let shard = Arc::new(Shard {
-            id: Arc::clone(&key),
-            dtype,
-            shape: shape.into(),
-            owner: owner.into(),
-            payload,
-        });
+        let shard = Arc::new(Shard { id: Arc::clone(&key), dtype, shape: shape.into(), owner: owner.into(), payload });
         self.acct.committed();
         let old = self.map.insert_with(key, Slot::new(shard), |old| old.take()).flatten();
         if let Some(old) = old {
@@ -159,22 +171,28 @@ impl FetchBuffer {
         keys.iter().filter(|id| self.take(id).is_some()).count()
     }
 
+    /// True when a shard is held under `id` (counts neither a hit nor a miss).
     pub fn contains(&self, id: &str) -> bool {
         self.map.contains(id)
     }
 
+    /// The ids held now (a snapshot; concurrent puts and removals may or may
+    /// not show).
     pub fn keys(&self) -> Vec<Arc<str>> {
         self.map.keys()
     }
 
+    /// Number of shards held.
     pub fn len(&self) -> usize {
         Accounting::load(&self.acct.entries) as usize
     }
 
+    /// True when no shard is held.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
+    /// The counters; exact once concurrent callers have returned.
     pub fn stats(&self) -> FetchStats {
         FetchStats {
             entries: Accounting::load(&self.acct.entries),

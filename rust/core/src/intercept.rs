@@ -21,18 +21,25 @@ use crate::sync::{fence, AtomicBool, AtomicU64, CowList, Map, Ordering, Slot};
 
 /// One intercepted model call.
 pub struct Intercept {
+    /// The call's id, its key in the table.
     pub request_id: Arc<str>,
     /// Unique per insert into this table.
     pub seq: u64,
+    /// The rollout whose close sweeps this intercept.
     pub rollout_id: Arc<str>,
+    /// The model API the body is written for (free text, e.g. `"chat"`).
     pub protocol: Box<str>,
+    /// Whether the call asked for a streamed response.
     pub stream: bool,
+    /// When the intercept was inserted.
     pub created: Instant,
+    /// The raw request body.
     pub payload: Payload,
 }
 
 impl Intercept {
-    /// Seconds since the intercept was inserted.
+    /// Time since the intercept was inserted (monotonic clock; the binding
+    /// reports it in seconds).
     pub fn age(&self) -> Duration {
         self.created.elapsed()
     }
@@ -49,19 +56,30 @@ struct Rollout {
 /// Exact counters of an [`InterceptTable`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct InterceptStats {
+    /// Intercepts held now.
     pub entries: u64,
+    /// Body bytes held now (including reservations of inserts in progress).
     pub bytes: u64,
+    /// Largest `bytes` seen after a completed insert.
     pub peak_bytes: u64,
+    /// Body bytes still allocated, including removed ones a view holds.
     pub live_bytes: u64,
+    /// Rollouts open now.
     pub open_rollouts: u64,
+    /// Inserts that stored an intercept (one later swept by its insert's own
+    /// closed-rollout check included).
     pub inserts: u64,
+    /// Intercepts removed by [`InterceptTable::discard`].
     pub discards: u64,
     /// Intercepts removed because their rollout closed (by the close's sweep,
     /// or by an insert that found its rollout closed under it).
     pub swept: u64,
+    /// Inserts refused over capacity ([`TableError::Full`]).
     pub rejected: u64,
 }
 
+/// The intercept table: `request_id -> intercept` for in-flight model calls,
+/// grouped by rollout, with an optional capacity bound in body bytes.
 pub struct InterceptTable {
     entries: Map<Arc<str>, Slot<Intercept>>,
     rollouts: Map<Arc<str>, Rollout>,
@@ -74,6 +92,9 @@ pub struct InterceptTable {
 }
 
 impl InterceptTable {
+    /// `capacity_bytes`: bound on held body bytes (`None`: unbounded).
+    /// `mmap_threshold`: bodies of at least this many bytes get their own
+    /// anonymous mapping.
     pub fn new(capacity_bytes: Option<u64>, mmap_threshold: usize) -> Self {
         InterceptTable {
             entries: Map::new(),
@@ -87,10 +108,12 @@ impl InterceptTable {
         }
     }
 
+    /// The bound on held body bytes given at construction (`None`: unbounded).
     pub fn capacity_bytes(&self) -> Option<u64> {
         self.acct.capacity()
     }
 
+    /// Bodies of at least this many bytes get their own anonymous mapping.
     pub fn mmap_threshold(&self) -> usize {
         self.mmap_threshold
     }
@@ -103,6 +126,7 @@ impl InterceptTable {
         }
     }
 
+    /// True while `rollout_id` is open (opened and not yet closed).
     pub fn is_open(&self, rollout_id: &str) -> bool {
         self.rollouts.contains(rollout_id)
     }
@@ -280,22 +304,28 @@ impl InterceptTable {
             .unwrap_or_default()
     }
 
+    /// True when an intercept is held under `request_id`.
     pub fn contains(&self, request_id: &str) -> bool {
         self.entries.contains(request_id)
     }
 
+    /// The request ids held now (a snapshot; concurrent inserts and removals
+    /// may or may not show).
     pub fn keys(&self) -> Vec<Arc<str>> {
         self.entries.keys()
     }
 
+    /// Number of intercepts held.
     pub fn len(&self) -> usize {
         Accounting::load(&self.acct.entries) as usize
     }
 
+    /// True when no intercept is held.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
+    /// The counters; exact once concurrent callers have returned.
     pub fn stats(&self) -> InterceptStats {
         InterceptStats {
             entries: Accounting::load(&self.acct.entries),

@@ -9,6 +9,8 @@
 //! is freed when its last [`std::sync::Arc`] drops rather than when the map's
 //! deferred reclamation gets to the cell.  Pure Rust: no pyo3 here.
 
+#![deny(missing_docs)]
+
 mod accounting;
 pub mod dtype;
 pub mod error;

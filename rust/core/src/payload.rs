@@ -22,6 +22,7 @@ enum Storage {
 pub struct LiveBytes(AtomicU64);
 
 impl LiveBytes {
+    /// The figure now, in bytes.
     pub fn get(&self) -> u64 {
         self.0.load(Ordering::Acquire)
     }
@@ -41,23 +42,21 @@ impl Payload {
     /// Errors: [`TableError::Alloc`] when the mapping cannot be created.
     pub fn copy_from(src: &[u8], mmap_threshold: usize, live: &Arc<LiveBytes>) -> Result<Self, TableError> {
         let storage = if !src.is_empty() && src.len() >= mmap_threshold {
-            let mut map = memmap2::MmapMut::map_anon(src.len()).map_err(|e| TableError::Alloc {
-                bytes: src.len(),
-                reason: e.to_string(),
-            })?;
+            let mut map = memmap2::MmapMut::map_anon(src.len())
+                .map_err(|e| TableError::Alloc { bytes: src.len(), reason: e.to_string() })?;
             map.copy_from_slice(src);
             // Read-only from here on: views hand Python a read-only buffer, and
             // a write through a stray pointer now faults instead of corrupting.
-            Storage::Mapped(map.make_read_only().map_err(|e| TableError::Alloc {
-                bytes: src.len(),
-                reason: e.to_string(),
-            })?)
+            Storage::Mapped(
+                map.make_read_only().map_err(|e| TableError::Alloc { bytes: src.len(), reason: e.to_string() })?,
+            )
         } else {
             // One pass: reserve exactly, then copy (no zero-fill first).  A
             // fallible reserve: `Vec::with_capacity` aborts the whole process
             // when the allocator refuses (found by tests/native/test_alloc_failure.py).
             let mut v = Vec::new();
-            v.try_reserve_exact(src.len()).map_err(|e| TableError::Alloc { bytes: src.len(), reason: e.to_string() })?;
+            v.try_reserve_exact(src.len())
+                .map_err(|e| TableError::Alloc { bytes: src.len(), reason: e.to_string() })?;
             v.extend_from_slice(src);
             Storage::Heap(v.into_boxed_slice())
         };
@@ -65,6 +64,7 @@ impl Payload {
         Ok(Payload { storage, live: Arc::clone(live) })
     }
 
+    /// The payload's bytes.
     pub fn as_slice(&self) -> &[u8] {
         match &self.storage {
             Storage::Heap(b) => b,
@@ -72,10 +72,12 @@ impl Payload {
         }
     }
 
+    /// Size of the payload in bytes.
     pub fn len(&self) -> usize {
         self.as_slice().len()
     }
 
+    /// True for a zero-byte payload.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

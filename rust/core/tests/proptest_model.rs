@@ -1,6 +1,7 @@
 //! Proptest state machines: each table against a `HashMap` model.
 #![cfg(not(loom))]
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
@@ -103,7 +104,7 @@ proptest! {
                 let p = Arc::as_ptr(v);
                 if distinct.contains(&p) { continue; }
                 distinct.push(p);
-                let still_held = b.get(&v.id).map_or(false, |cur| Arc::ptr_eq(&cur, v));
+                let still_held = b.get(&v.id).is_some_and(|cur| Arc::ptr_eq(&cur, v));
                 if !still_held { viewed_only += v.payload.len() as u64; }
             }
             // The probing gets above counted hits/misses; read stats first next time.
@@ -170,16 +171,22 @@ proptest! {
                     let res = t.insert(&qid, &rid, &vec![q; len], "chat", q % 2 == 0);
                     if !open.contains(&rid) {
                         prop_assert!(matches!(res, Err(TableError::RolloutClosed { .. })), "{:?}", res);
-                    } else if held.contains_key(&qid) {
-                        prop_assert!(matches!(res, Err(TableError::Duplicate { .. })), "{:?}", res);
-                    } else if used + len as u64 > CAPACITY {
-                        prop_assert!(matches!(res, Err(TableError::Full { .. })), "{:?}", res);
-                        rejected += 1;
                     } else {
-                        prop_assert!(res.is_ok(), "{:?}", res);
-                        held.insert(qid, (rid, len));
-                        inserts += 1;
-                        peak = peak.max(used + len as u64);
+                        match held.entry(qid) {
+                            Entry::Occupied(_) => {
+                                prop_assert!(matches!(res, Err(TableError::Duplicate { .. })), "{:?}", res);
+                            }
+                            Entry::Vacant(_) if used + len as u64 > CAPACITY => {
+                                prop_assert!(matches!(res, Err(TableError::Full { .. })), "{:?}", res);
+                                rejected += 1;
+                            }
+                            Entry::Vacant(slot) => {
+                                prop_assert!(res.is_ok(), "{:?}", res);
+                                slot.insert((rid, len));
+                                inserts += 1;
+                                peak = peak.max(used + len as u64);
+                            }
+                        }
                     }
                 }
                 TabOp::Discard { q } => {

@@ -18,7 +18,7 @@ fn put_get_pop_round_trip_and_stats() {
     b.put("a", &data, "float32", &[3, 4], "node-1").unwrap();
     let s = b.get("a").unwrap();
     assert_eq!(s.payload.as_slice(), &data[..]);
-    assert_eq!(&*s.dtype, "float32");
+    assert_eq!(s.dtype, "float32");
     assert_eq!(&*s.shape, &[3, 4]);
     assert_eq!(&*s.owner, "node-1");
     assert!(b.get("missing").is_none());
@@ -140,10 +140,7 @@ fn intercept_lifecycle() {
     assert_eq!(t.close_rollout("r"), vec!["q2".to_string()]);
     assert!(t.close_rollout("r").is_empty());
     let st = t.stats();
-    assert_eq!(
-        (st.entries, st.bytes, st.open_rollouts, st.inserts, st.discards, st.swept),
-        (0, 0, 0, 2, 1, 1)
-    );
+    assert_eq!((st.entries, st.bytes, st.open_rollouts, st.inserts, st.discards, st.swept), (0, 0, 0, 2, 1, 1));
     assert_eq!(st.live_bytes, 2, "the held view keeps its body alive");
     drop(v);
     assert_eq!(t.stats().live_bytes, 0);

@@ -45,13 +45,18 @@ impl Borrowed {
         if !contiguous {
             let len = usize::try_from(me.view.len).map_err(|_| PyValueError::new_err("negative buffer length"))?;
             let mut scratch = Vec::new();
-            scratch
-                .try_reserve_exact(len)
-                .map_err(|e| pyo3::exceptions::PyMemoryError::new_err(format!("could not allocate {len} bytes: {e}")))?;
+            scratch.try_reserve_exact(len).map_err(|e| {
+                pyo3::exceptions::PyMemoryError::new_err(format!("could not allocate {len} bytes: {e}"))
+            })?;
             scratch.resize(len, 0);
             // SAFETY: scratch holds exactly view.len bytes.
             let rc = unsafe {
-                ffi::PyBuffer_ToContiguous(scratch.as_mut_ptr() as *mut c_void, &*me.view, me.view.len, b'C' as std::os::raw::c_char)
+                ffi::PyBuffer_ToContiguous(
+                    scratch.as_mut_ptr() as *mut c_void,
+                    &*me.view,
+                    me.view.len,
+                    b'C' as std::os::raw::c_char,
+                )
             };
             if rc != 0 {
                 return Err(PyErr::fetch(obj.py()));
@@ -90,8 +95,15 @@ impl Drop for Borrowed {
 /// # Safety
 /// `bytes` must stay valid and unchanged for as long as `owner` is alive;
 /// `view` must be the pointer Python passed to `__getbuffer__`.
-pub(crate) unsafe fn export(owner: *mut ffi::PyObject, bytes: &[u8], view: *mut ffi::Py_buffer, flags: c_int, py: Python<'_>) -> PyResult<()> {
-    let rc = ffi::PyBuffer_FillInfo(view, owner, bytes.as_ptr() as *mut c_void, bytes.len() as ffi::Py_ssize_t, 1, flags);
+pub(crate) unsafe fn export(
+    owner: *mut ffi::PyObject,
+    bytes: &[u8],
+    view: *mut ffi::Py_buffer,
+    flags: c_int,
+    py: Python<'_>,
+) -> PyResult<()> {
+    let rc =
+        ffi::PyBuffer_FillInfo(view, owner, bytes.as_ptr() as *mut c_void, bytes.len() as ffi::Py_ssize_t, 1, flags);
     if rc != 0 {
         return Err(PyErr::fetch(py));
     }

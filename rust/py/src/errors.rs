@@ -11,9 +11,24 @@ use lowwater_core::TableError;
 use pyo3::exceptions::{PyException, PyKeyError, PyMemoryError, PyValueError};
 use pyo3::prelude::*;
 
-pyo3::create_exception!(lowwater, LowwaterError, PyException, "Base class of every error lowwater's extension raises on purpose.");
-pyo3::create_exception!(lowwater, BufferFull, LowwaterError, "An insert would exceed the table's capacity_bytes; nothing was evicted.");
-pyo3::create_exception!(lowwater, RolloutClosed, LowwaterError, "An intercept was inserted for a rollout that is not open.");
+pyo3::create_exception!(
+    lowwater,
+    LowwaterError,
+    PyException,
+    "Base class of every error lowwater's extension raises on purpose."
+);
+pyo3::create_exception!(
+    lowwater,
+    BufferFull,
+    LowwaterError,
+    "An insert would exceed the table's capacity_bytes; nothing was evicted."
+);
+pyo3::create_exception!(
+    lowwater,
+    RolloutClosed,
+    LowwaterError,
+    "An intercept was inserted for a rollout that is not open."
+);
 pyo3::create_exception!(lowwater, InternalError, LowwaterError, "A bug in lowwater's extension (a caught Rust panic).");
 
 pub(crate) fn to_py(err: TableError) -> PyErr {

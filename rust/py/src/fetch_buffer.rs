@@ -116,7 +116,7 @@ impl FetchBuffer {
             let dims = parse_shape(shape, &mut stack, &mut heap)?;
             let src = Borrowed::new(data, "data")?;
             let bytes = src.as_slice();
-            let put = || self.inner.put(shard_id, bytes, dtype, &dims, owner);
+            let put = || self.inner.put(shard_id, bytes, dtype, dims, owner);
             let result = if bytes.len() >= DETACH_BYTES { py.detach(put) } else { put() };
             result.map_err(to_py)
         })
@@ -182,9 +182,14 @@ impl FetchBuffer {
 
 /// Dimensions from a tuple or list of non-negative ints, on the stack for up
 /// to 8 dimensions (a 1 KiB put is dominated by such small costs).
-fn parse_shape<'a>(shape: &Bound<'_, PyAny>, stack: &'a mut [usize; 8], heap: &'a mut Vec<usize>) -> PyResult<&'a [usize]> {
+fn parse_shape<'a>(
+    shape: &Bound<'_, PyAny>,
+    stack: &'a mut [usize; 8],
+    heap: &'a mut Vec<usize>,
+) -> PyResult<&'a [usize]> {
     let dim = |item: Bound<'_, PyAny>| -> PyResult<usize> {
-        let d: i64 = item.extract().map_err(|_| PyTypeError::new_err(format!("shape must contain ints, got {shape}")))?;
+        let d: i64 =
+            item.extract().map_err(|_| PyTypeError::new_err(format!("shape must contain ints, got {shape}")))?;
         usize::try_from(d).map_err(|_| PyValueError::new_err(format!("shape {shape} has a negative dimension")))
     };
     if let Ok(t) = shape.cast::<PyTuple>() {
@@ -198,7 +203,9 @@ fn parse_shape<'a>(shape: &Bound<'_, PyAny>, stack: &'a mut [usize; 8], heap: &'
     if shape.is_instance_of::<PyString>() {
         return Err(PyTypeError::new_err("shape must be a tuple of ints, not a str"));
     }
-    for item in shape.try_iter().map_err(|_| PyTypeError::new_err(format!("shape must be a tuple of ints, got {shape}")))? {
+    for item in
+        shape.try_iter().map_err(|_| PyTypeError::new_err(format!("shape must be a tuple of ints, got {shape}")))?
+    {
         heap.push(dim(item?)?);
     }
     Ok(heap)
@@ -213,9 +220,12 @@ pub(crate) fn id_list(ids: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<String
     let mut out = Vec::new();
     for item in ids.try_iter()? {
         let item = item?;
-        let s = item
-            .cast::<PyString>()
-            .map_err(|_| PyTypeError::new_err(format!("{what} must contain str, got {}", item.get_type().name().map(|n| n.to_string()).unwrap_or_default())))?;
+        let s = item.cast::<PyString>().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "{what} must contain str, got {}",
+                item.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+            ))
+        })?;
         out.push(s.to_str()?.to_owned());
     }
     Ok(out)

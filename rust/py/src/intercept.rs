@@ -138,7 +138,9 @@ impl InterceptTable {
 
     fn stale(&self, older_than_s: f64) -> PyResult<Vec<String>> {
         if !older_than_s.is_finite() || older_than_s < 0.0 {
-            return Err(PyValueError::new_err(format!("older_than_s must be a finite number >= 0, got {older_than_s}")));
+            return Err(PyValueError::new_err(format!(
+                "older_than_s must be a finite number >= 0, got {older_than_s}"
+            )));
         }
         guarded(|| Ok(self.inner.stale(Duration::from_secs_f64(older_than_s))))
     }
