@@ -10,7 +10,7 @@ This bench runs ``--rollouts`` rollouts in ``--workers`` env worker
 processes (:class:`lowwater.workers.WorkerPool` with its defaults: forkserver
 start, allocator hygiene, trim at quiescence), ``--concurrency`` at a time
 per worker.  Each worker runs the real rollout engine and interception
-server (:func:`lowwater.eval.open_engine`) against ``lowwater serve-model
+server (:func:`lowwater.assembly.open_engine`) against ``lowwater serve-model
 --scripted`` (one model server for all workers, as ``lowwater eval
 --workers`` does).  A rollout is ``--turns`` chat-completions calls; turn
 ``t`` appends a user message with a base64 image of ``--image-kb`` random
@@ -59,10 +59,10 @@ import trio  # noqa: E402
 
 from lowwater import plugins as plugins_mod  # noqa: E402
 from lowwater.environment import Environment, HarnessContext, Score, Task  # noqa: E402
-from lowwater.eval import EvalConfig  # noqa: E402
-from lowwater.eval_worker import EvalJob  # noqa: E402
+from lowwater.assembly import EngineConfig  # noqa: E402
+from lowwater.eval.job import EvalJob  # noqa: E402
 from lowwater.rollout import Rollout, RolloutFailed  # noqa: E402
-from lowwater.upstream import ModelSpec, model_server  # noqa: E402
+from lowwater.upstream.spec import ModelSpec, model_server  # noqa: E402
 from lowwater.workers import JobSpec, WorkerPool  # noqa: E402
 
 # Workers import this file by module name (they never import __main__).
@@ -152,8 +152,8 @@ async def churn(a: argparse.Namespace) -> dict[str, float]:
             baseline[fields["pid"]] = fields["rss"]
 
     async with model_server(ModelSpec("scripted", "scripted")) as upstream_url:
-        config = EvalConfig(env="churn", concurrency=a.concurrency, max_turns=a.turns + 1, persistent=False,
-                            timeout_s=600.0)
+        config = EngineConfig(env="churn", concurrency=a.concurrency, max_turns=a.turns + 1, persistent=False,
+                              timeout_s=600.0)
         pool = WorkerPool(
             JobSpec(FACTORY, {"config": config.to_json(), "upstream_url": upstream_url,
                               "turns": a.turns, "image_kb": a.image_kb}),

@@ -113,7 +113,7 @@ def direct_child(a: argparse.Namespace) -> None:
 
     from lowwater.envs.agent import chat_tool_loop
     from lowwater.memory import Trimmer
-    from lowwater.upstream import parse_model, model_server
+    from lowwater.upstream.spec import parse_model, model_server
 
     questions = []
     with open(DATA / "test.jsonl", "rb") as f:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import MIB, emit, progress, rss_bytes, target  # noqa: E402
 
 from lowwater.asgi import serve  # noqa: E402
-from lowwater.shards import ShardConsumer, ShardRef, ShardStore, clear_batch  # noqa: E402
+from lowwater.trainer.shards import ShardConsumer, ShardRef, ShardStore, clear_batch  # noqa: E402
 
 
 async def consumer_main() -> None:

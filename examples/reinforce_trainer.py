@@ -1,7 +1,7 @@
 """A REINFORCE-style trainer loop embedding lowwater, with two consumer processes.
 
 The trainer is an ordinary (non-Trio) program: it uses
-:class:`lowwater.embedding.SyncLowwater`, which runs lowwater's Trio loop in
+:class:`lowwater.trainer.SyncLowwater`, which runs lowwater's Trio loop in
 a background thread.  Each step:
 
 1. ``next_batch(n_groups)`` runs groups of rollouts of the embedded default
@@ -42,7 +42,7 @@ def consumer_process(conn: Any) -> None:
 
     from lowwater.asgi import serve
     from lowwater.memory import rss_bytes
-    from lowwater.shards import ShardConsumer, ShardRef
+    from lowwater.trainer.shards import ShardConsumer, ShardRef
 
     bias = np.zeros(VOCAB, np.float64)
 
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=0, help="env worker processes for the rollouts (default 0: in this process)")
     args = parser.parse_args(argv)
 
-    from lowwater.embedding import SyncLowwater, TrainerConfig
+    from lowwater.trainer import SyncLowwater, TrainerConfig
     from lowwater.memory import rss_bytes
 
     ctx = mp.get_context("spawn")  # no fork of a process with a Trio thread

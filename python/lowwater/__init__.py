@@ -25,3 +25,9 @@ __all__ = [
     "RolloutClosed",
     "ShardView",
 ]
+
+# Round one's flat module paths (lowwater.embedding, lowwater.model, ...)
+# still import, with a DeprecationWarning, for one release.
+from lowwater import _moved  # noqa: E402  (after the public names, which it does not touch)
+
+_moved.install()

@@ -72,7 +72,7 @@ def register_protocols(register: Callable[[Any], None]) -> None:
 
 @hookspec
 def register_environments(register: Callable[[str, Any], None]) -> None:
-    """Provide environments for ``lowwater eval ENV`` and the embedding API.
+    """Provide environments for ``lowwater eval ENV`` and the trainer API.
 
     Call ``register(name, factory)`` where ``factory(options: dict[str, Any])``
     returns a :class:`lowwater.environment.Environment` (taskset, harness,
@@ -126,7 +126,7 @@ async def group_end(group: Any) -> None:
 
 @hookspec
 async def step_end(step: int, shard_ids: list[str]) -> None:
-    """A trainer step has ended (embedding API): ``shard_ids`` were cleared.
+    """A trainer step has ended (trainer API): ``shard_ids`` were cleared.
 
     Cleanup policies drain per-step state here (fetch buffers, allocator).
     """

@@ -15,8 +15,8 @@ import pytest
 import trio
 
 from lowwater.eval import SUMMARY_KEYS, EvalConfig, run_eval
-from lowwater.results import read_rows
-from lowwater.upstream import ModelSpec
+from lowwater.eval.results import read_rows
+from lowwater.upstream.spec import ModelSpec
 
 GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
 needs_gsm8k = pytest.mark.skipif(not (GSM8K / "test.jsonl").is_file(), reason="../shared/data/gsm8k not present")

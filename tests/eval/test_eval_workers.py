@@ -15,7 +15,7 @@ import psutil
 import trio
 
 from lowwater.eval import EvalConfig, run_eval
-from lowwater.results import read_rows
+from lowwater.eval.results import read_rows
 
 
 def rows_of(path: Path) -> list[dict]:

@@ -6,7 +6,7 @@ import orjson
 import pytest
 import trio
 
-from lowwater.results import ResultsFileError, ResultsWriter, prepare, read_rows
+from lowwater.eval.results import ResultsFileError, ResultsWriter, prepare, read_rows
 
 HEADER = {"type": "lowwater.eval.header", "run_id": "run1", "env": "arithmetic"}
 

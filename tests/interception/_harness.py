@@ -13,7 +13,7 @@ import trio.testing
 
 from lowwater.asgi import serve
 from lowwater.interception import InterceptionServer
-from lowwater.model import ModelClient
+from lowwater.upstream.client import ModelClient
 from lowwater.trajectory import Trajectory
 
 from .upstream import Upstream

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import trio
 
-from lowwater.agent_client import AgentClient
+from lowwater.upstream.agent_client import AgentClient
 from lowwater.asgi import serve
 
 from .upstream import Upstream

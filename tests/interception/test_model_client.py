@@ -8,7 +8,7 @@ import pytest
 import trio
 import trio.testing
 
-from lowwater.model import ModelClient
+from lowwater.upstream.client import ModelClient
 
 from ._harness import body, run
 from .test_failures import until

@@ -16,7 +16,7 @@ from lowwater import cli
 from lowwater.asgi import serve
 from lowwater.commands import proxy
 from lowwater.commands.proxy import ProxyConfig, config_from_args, serve_proxy
-from lowwater.sessions import SessionConfig, load_dump
+from lowwater.trainer.sessions import SessionConfig, load_dump
 
 from ._harness import GUARD_S, body
 from .test_failures import until

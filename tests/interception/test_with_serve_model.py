@@ -17,7 +17,7 @@ import trio
 from lowwater.envs.arithmetic import problem
 from lowwater.envs.calculator import evaluate, format_result
 from lowwater.interception import InterceptionServer
-from lowwater.model import ModelClient
+from lowwater.upstream.client import ModelClient
 from lowwater.serve_model import ScriptedModel, serve_model
 from lowwater.trajectory import Trajectory
 

@@ -1,7 +1,7 @@
 """The built-in subprocess runtime passes the runtime conformance state machine."""
 
 from lowwater.runtime import RuntimeConfig, SubprocessRuntime
-from lowwater.runtime.testing import RuntimeConformance
+from lowwater.testing.runtime import RuntimeConformance
 
 
 class SubprocessConformance(RuntimeConformance):

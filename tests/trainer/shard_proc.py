@@ -19,7 +19,7 @@ import orjson
 import trio
 
 from lowwater.asgi import serve
-from lowwater.shards import ShardConsumer, ShardRef, ShardStore
+from lowwater.trainer.shards import ShardConsumer, ShardRef, ShardStore
 
 
 async def main(role: str) -> None:

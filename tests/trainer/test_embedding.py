@@ -1,4 +1,4 @@
-"""The embedding API: batches of groups as shards, released everywhere at step end."""
+"""The trainer API: batches of groups as shards, released everywhere at step end."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import numpy as np
 import trio
 
 from lowwater.asgi import serve
-from lowwater.embedding import Batch, Lowwater, SyncLowwater, TrainerConfig
-from lowwater.producer import SHARD_NAMES, group_advantages
-from lowwater.shards import ShardConsumer
+from lowwater.trainer import Batch, Lowwater, SyncLowwater, TrainerConfig
+from lowwater.trainer.producer import SHARD_NAMES, group_advantages
+from lowwater.trainer.shards import ShardConsumer
 
 
 def test_async_steps_leave_store_buffers_and_registry_empty():

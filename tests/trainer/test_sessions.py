@@ -15,7 +15,7 @@ import trio.testing
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from lowwater.sessions import Interaction, SessionConfig, SessionError, SessionStore, load_dump
+from lowwater.trainer.sessions import Interaction, SessionConfig, SessionError, SessionStore, load_dump
 
 TIMEOUT = 100.0
 

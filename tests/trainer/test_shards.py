@@ -17,7 +17,7 @@ import trio
 from hypothesis import given, settings
 
 from lowwater.asgi import serve
-from lowwater.shards import (
+from lowwater.trainer.shards import (
     BatchReader,
     ShardConsumer,
     ShardFetchError,
@@ -142,7 +142,7 @@ def test_steps_across_processes_leave_every_buffer_empty(caplog):
                         [ShardRef.from_json(r) for r in refs], client=client, consumers=[a for _, a in consumers]
                     )
 
-            with caplog.at_level(logging.WARNING, logger="lowwater.shards"):
+            with caplog.at_level(logging.WARNING, logger="lowwater.trainer.shards"):
                 report = trio.run(drain)
             assert report.owners_removed == {owner_addr: n}
             assert report.leaked_bytes == 0
@@ -168,7 +168,7 @@ def test_leak_and_unreachable_consumer_are_warnings_not_errors(caplog):
             ref = store.put("x", b"\x00" * 16, dtype="uint8", shape=(16,))
             await consumer.fetch([ref])
             consumer.buffer.put("stray", b"\x00" * 32, dtype="uint8", shape=(32,))
-            with caplog.at_level(logging.WARNING, logger="lowwater.shards"):
+            with caplog.at_level(logging.WARNING, logger="lowwater.trainer.shards"):
                 report = await clear_batch([ref], client=client, consumers=[addr, "127.0.0.1:9"])
             assert report.leaked_bytes == 32
             assert report.consumers["127.0.0.1:9"] is None

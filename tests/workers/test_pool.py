@@ -281,7 +281,7 @@ def test_env_var_alone_does_not_limit_a_forked_worker():
 
 def test_worker_does_not_import_the_parents_main_module():
     # The forkserver is one per process and the first pool decides its
-    # preload list (an earlier test's eval pool preloads lowwater.eval_worker,
+    # preload list (an earlier test's eval pool preloads lowwater.eval.job,
     # and with it httpx): restart it so this test sees the lean default.
     from multiprocessing import forkserver
 

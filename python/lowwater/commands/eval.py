@@ -64,7 +64,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def build_config(args: argparse.Namespace) -> Any:
     from lowwater.eval import EvalConfig
-    from lowwater.upstream import UpstreamError, parse_model
+    from lowwater.upstream.spec import UpstreamError, parse_model
 
     options: dict[str, Any] = {"seed": args.seed}
     if args.data:
@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
 
     from lowwater import eval as eval_mod
     from lowwater.plugins import UnknownName
-    from lowwater.results import ResultsFileError
-    from lowwater.upstream import UpstreamError
+    from lowwater.eval.results import ResultsFileError
+    from lowwater.upstream.spec import UpstreamError
 
     if args.memory_plot is not None:
         _check_plotting()

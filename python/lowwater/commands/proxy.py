@@ -19,7 +19,7 @@ closed.  Admin endpoints (JSON; every one requires the admin key, as
 * ``POST /lowwater/sessions/{id}/reward`` — body ``{"reward": R}``: the
   rollout's session becomes ready (idempotent; 409 for a different reward,
   404 if unknown).  With ``--sessions`` every rollout is also a session of
-  the trainer-facing session store (:mod:`lowwater.sessions`), keyed by its
+  the trainer-facing session store (:mod:`lowwater.trainer.sessions`), keyed by its
   API key, holding its calls as interactions until exported or found stale
   (without it the session endpoints answer 404 and nothing outlives a
   rollout's ``DELETE``).
@@ -92,7 +92,7 @@ class ProxyConfig:
 
 
 def _session_config(**kwargs: Any) -> Any:
-    from lowwater.sessions import SessionConfig
+    from lowwater.trainer.sessions import SessionConfig
 
     return SessionConfig(**kwargs)
 
@@ -217,7 +217,7 @@ class Admin:
     def __init__(self, server: Any, out_file: Path, admin_key: str | None, sessions: Any = None) -> None:
         import trio
 
-        from lowwater.sessions import SessionStore
+        from lowwater.trainer.sessions import SessionStore
 
         self.server = server
         # Revoked under the store's lock: a stale session's key stops working
@@ -372,7 +372,7 @@ class Admin:
         The interaction shares the turn's objects (the message delta, the
         completion), so an open rollout's calls are held once, not twice.
         """
-        from lowwater.sessions import Interaction, SessionError
+        from lowwater.trainer.sessions import Interaction, SessionError
 
         try:
             self.store.add_interaction(trajectory.rollout_id, Interaction(
@@ -397,7 +397,7 @@ class Admin:
                 log.exception("stale-session cleanup pass failed; next in %s s", self.store.config.cleanup_interval_s)
 
     async def cleanup_pass(self) -> Any:
-        """One pass (see the module docstring); returns the store's :class:`~lowwater.sessions.CleanupReport`."""
+        """One pass (see the module docstring); returns the store's :class:`~lowwater.trainer.sessions.CleanupReport`."""
         from lowwater.asgi import HTTPError
 
         assert self.store is not None, "sessions are off"
@@ -468,11 +468,11 @@ class _SessionTrajectory(Trajectory):
 
 
 def _session_errors() -> Any:
-    """Map :class:`~lowwater.sessions.SessionError` to 404 (unknown) or 409, ValueError to 400."""
+    """Map :class:`~lowwater.trainer.sessions.SessionError` to 404 (unknown) or 409, ValueError to 400."""
     import contextlib
 
     from lowwater.asgi import HTTPError
-    from lowwater.sessions import SessionError
+    from lowwater.trainer.sessions import SessionError
 
     @contextlib.contextmanager
     def mapping() -> Any:
@@ -517,7 +517,7 @@ async def serve_proxy(config: ProxyConfig, *, task_status: Any = None) -> None:
     import trio
 
     from lowwater.interception import InterceptionServer
-    from lowwater.model import ModelClient
+    from lowwater.upstream.client import ModelClient
 
     async with ModelClient(config.upstream, api_key=config.upstream_key, model=config.model,
                            max_concurrency=config.max_concurrency, timeout_s=config.timeout_s,

@@ -47,7 +47,7 @@ from lowwater.asgi import HTTPError, Receive, Scope, Send, lifespan
 from lowwater.interception.protocols import Completion, Protocol, builtin_protocols
 from lowwater.interception.slots import Slot, SlotRegistry, new_secret
 from lowwater.interception.sse import SSEParser
-from lowwater.model import Answer, ModelClient, read_answer
+from lowwater.upstream.client import Answer, ModelClient, read_answer
 from lowwater.trajectory import Trajectory, Turn
 
 log = logging.getLogger("lowwater.interception")
@@ -83,7 +83,7 @@ class InterceptionServer:
         server.unregister(trajectory.rollout_id)
 
     Args:
-        upstream: the default :class:`~lowwater.model.ModelClient`; a slot
+        upstream: the default :class:`~lowwater.upstream.client.ModelClient`; a slot
             may be given its own at :meth:`register`.
         protocols: the wire protocols to route (default: the three built-ins).
         table: the intercept table (default: a new unbounded one).

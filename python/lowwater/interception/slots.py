@@ -27,7 +27,7 @@ class Slot:
         secret: the per-rollout key, accepted as ``Authorization: Bearer``
             or ``x-api-key``.
         trajectory: the :class:`~lowwater.trajectory.Trajectory` turns go to.
-        upstream: the :class:`~lowwater.model.ModelClient` calls go to.
+        upstream: the :class:`~lowwater.upstream.client.ModelClient` calls go to.
         handlers: cancel scopes of the handlers serving this rollout now.
         closed: set by unregister; a handler that sees it answers with an error.
     """

@@ -6,7 +6,7 @@
 * :class:`SubprocessRuntime` — the built-in one (``"subprocess"``).
 * :class:`RuntimePool` — persistent runtimes keyed by resolved config.
 * Warm workers (:mod:`lowwater.runtime.warm`) — ``run_script(warm=True)``.
-* :mod:`lowwater.runtime.testing` — the conformance state machine for
+* :mod:`lowwater.testing.runtime` — the conformance state machine for
   runtime plugins (imports Hypothesis; not imported here).
 
 See ``docs/runtimes.md``.

@@ -53,7 +53,7 @@ from lowwater.runtime.base import (
     ScriptError,
     WarmWorkerCrashed,
 )
-from lowwater.runtime.subprocess import kill_group, reap
+from lowwater.runtime.process import kill_group, reap
 
 WORKER_SCRIPT = Path(__file__).with_name("_warm_worker.py")
 #: The worker truncates its stderr file beyond this (bytes).

@@ -2,4 +2,4 @@
 (:mod:`lowwater.testing.pytest_plugin`), Hypothesis strategies
 (:mod:`lowwater.testing.strategies`) and a background Trio loop
 (:mod:`lowwater.testing.background`).  The runtime conformance state machine
-is :mod:`lowwater.runtime.testing`."""
+is :mod:`lowwater.testing.runtime`."""

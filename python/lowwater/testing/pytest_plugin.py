@@ -14,7 +14,7 @@ down at the end of the test):
 * ``lowwater_trio`` — the background loop itself (:class:`BackgroundTrio`).
 
 Hypothesis strategies live in :mod:`lowwater.testing.strategies`; the runtime
-conformance state machine in :mod:`lowwater.runtime.testing`.
+conformance state machine in :mod:`lowwater.testing.runtime`.
 
 Imports are lazy: this module is loaded by every pytest run in an
 environment where lowwater is installed, and must cost nothing there.
@@ -79,7 +79,7 @@ def lowwater_upstream(lowwater_trio: Any) -> str:
 @pytest.fixture
 def lowwater_interceptor(lowwater_trio: Any, lowwater_upstream: str) -> Iterator[InterceptorHandle]:
     from lowwater.interception import InterceptionServer
-    from lowwater.model import ModelClient
+    from lowwater.upstream.client import ModelClient
 
     client = ModelClient(lowwater_upstream)
     server = InterceptionServer(client)

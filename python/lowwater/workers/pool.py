@@ -92,7 +92,7 @@ class WorkerJob:
     Trio's scope stack is corrupted.  Hold such contexts open in a service
     task instead: ``self.nursery`` is set before ``setup()``, a nursery for
     background services (an interception server, a model client),
-    cancelled after ``teardown()``; :class:`lowwater.eval_worker.EvalJob`
+    cancelled after ``teardown()``; :class:`lowwater.eval.job.EvalJob`
     shows the pattern.
     """
 

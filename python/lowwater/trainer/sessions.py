@@ -34,7 +34,7 @@ import trio
 
 from lowwater import LowwaterError
 
-log = logging.getLogger("lowwater.sessions")
+log = logging.getLogger("lowwater.trainer.sessions")
 
 ExportStyle = Literal["individual", "concat"]
 

@@ -1,9 +1,9 @@
-"""The job an env worker runs for the embedding API with ``workers > 0``.
+"""The job an env worker runs for the trainer API with ``workers > 0``.
 
 Each worker runs whole groups (its own engine and interception server,
-:func:`lowwater.eval.open_engine`), turns each finished group into shards
-(:func:`lowwater.producer.group_shards`) and uploads them to the trainer
-process's :class:`~lowwater.shards.ShardStore` (``PUT /shards/{id}``, raw
+:class:`lowwater.assembly.EngineJob`), turns each finished group into shards
+(:func:`lowwater.trainer.producer.group_shards`) and uploads them to the trainer
+process's :class:`~lowwater.trainer.shards.ShardStore` (``PUT /shards/{id}``, raw
 bytes).  The trainer process owns every shard: a worker that retires or
 dies takes none of a step's data with it, and ``clear_batch`` has one owner
 to clear.  The worker keeps nothing of a group after its row is returned.
@@ -11,28 +11,29 @@ to clear.  The worker keeps nothing of a group after its row is returned.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import quote
 
 import httpx
 import orjson
-import trio
 
-from lowwater.eval_worker import EvalJob
-from lowwater.producer import group_shards
+from lowwater.assembly import EngineJob
+from lowwater.trainer.producer import group_shards
 from lowwater.rollout import Group
-from lowwater.shards import DTYPE_HEADER, SHAPE_HEADER, ShardStore
+from lowwater.trainer.shards import DTYPE_HEADER, SHAPE_HEADER, ShardStore
 
 
 class ShardUploadError(RuntimeError):
     """The trainer's shard store refused a shard (full: 507, or bad: 400)."""
 
 
-class EmbeddingJob(EvalJob):
+class TrainerJob(EngineJob):
     """Groups by task, their shards uploaded to the trainer's store.
 
     Args:
-        config: :meth:`EvalConfig.to_json` of the worker's engine settings.
+        config: :meth:`lowwater.assembly.EngineConfig.to_json` of the worker's engine settings.
         upstream_url: the model server's base URL (ends in ``/v1``).
         store_url: the trainer's shard store (``http://host:port``).
         step: the trainer step (part of every group and shard id).
@@ -41,24 +42,17 @@ class EmbeddingJob(EvalJob):
 
     def __init__(self, config: dict[str, Any], upstream_url: str, store_url: str, step: int,
                  request_logprobs: bool = True) -> None:
-        super().__init__(config, upstream_url)
+        super().__init__(config, upstream_url, request_logprobs=request_logprobs)
         self.store_url = store_url.rstrip("/")
         self.step = step
-        self.request_logprobs = request_logprobs
         self._uploads: httpx.AsyncClient | None = None
 
-    async def _hold(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        from lowwater.eval import open_engine
-
-        try:
-            async with httpx.AsyncClient(timeout=self.config.timeout_s) as uploads, \
-                    open_engine(self.config, self.env, self.plugins, self.upstream_url,
-                                request_logprobs=self.request_logprobs) as (engine, server):
-                self._uploads, self.engine, self.server = uploads, engine, server
-                task_status.started()
-                await self._stop.wait()
-        finally:
-            self._closed.set()
+    @asynccontextmanager
+    async def resources(self) -> AsyncIterator[None]:
+        """The HTTP client that uploads shards, held with the engine."""
+        async with httpx.AsyncClient(timeout=self.config.timeout_s) as uploads:
+            self._uploads = uploads
+            yield
 
     async def run(self, task_id: Any, attempt: int) -> list[dict[str, Any]]:
         """``task_id`` is ``"INDEX|JSON_TASK_ID"`` (the group's index in its
@@ -102,6 +96,6 @@ class EmbeddingJob(EvalJob):
         return response.json()
 
 
-def make_job(**kwargs: Any) -> EmbeddingJob:
+def make_job(**kwargs: Any) -> TrainerJob:
     """The :class:`~lowwater.workers.JobSpec` factory."""
-    return EmbeddingJob(**kwargs)
+    return TrainerJob(**kwargs)

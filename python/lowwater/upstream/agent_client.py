@@ -2,7 +2,7 @@
 
 Two things differ from a plain ``httpx.AsyncClient``, both measured:
 
-* Connections come from :class:`lowwater.model.FreeListTransport` (O(1)
+* Connections come from :class:`lowwater.upstream.transport.FreeListTransport` (O(1)
   checkout).  httpx's default pool scans every connection and polls each
   idle one per request: 28 % of ``lowwater eval``'s CPU on GSM8K at
   concurrency 32 (benches/eval_gsm8k.py).
@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from lowwater.model import FreeListTransport
+from lowwater.upstream.transport import FreeListTransport
 
 
 class AgentClient(httpx.AsyncClient):

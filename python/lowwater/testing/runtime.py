@@ -3,7 +3,7 @@
 Subclass :class:`RuntimeConformance`, set ``runtime_factory`` and collect
 its ``TestCase``::
 
-    from lowwater.runtime.testing import RuntimeConformance
+    from lowwater.testing.runtime import RuntimeConformance
 
     class MyRuntimeConformance(RuntimeConformance):
         runtime_factory = staticmethod(lambda: MyRuntime(RuntimeConfig(kind="mine")))

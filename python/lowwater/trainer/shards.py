@@ -55,7 +55,7 @@ from lowwater.asgi import (
     send_json,
 )
 
-log = logging.getLogger("lowwater.shards")
+log = logging.getLogger("lowwater.trainer.shards")
 
 DTYPE_HEADER = "x-lowwater-dtype"
 SHAPE_HEADER = "x-lowwater-shape"

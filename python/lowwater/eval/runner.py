@@ -10,24 +10,24 @@ running totals, not results); run metadata is one header line.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import attrs
 import trio
 
+from lowwater import _validate as v
 from lowwater import plugins as plugins_mod
-from lowwater.environment import Environment, Task
+from lowwater.environment import HARNESSES, Environment, Task
 from lowwater.memory import MemoryRecord, Trimmer, rss_bytes
-from lowwater.results import ResultsWriter, prepare
+from lowwater.eval.results import ResultsWriter, prepare
 from lowwater.rollout import ERROR_CLASSES, Deadlines, Engine, Rollout
-from lowwater.upstream import ModelSpec, model_server
+from lowwater.assembly import EngineConfig, open_engine
+from lowwater.upstream.spec import ModelSpec, model_server
 
 log = logging.getLogger("lowwater.eval")
 
@@ -60,63 +60,41 @@ class EvalConfig:
         tick_s: worker-tick cadence (seconds): RSS samples, stale sweeps.
         workers: env worker processes (``--workers``); 0 runs every rollout
             in this process.  With workers, each runs its own interception
-            server and engine (see :mod:`lowwater.eval_worker`) and the model
+            server and engine (see :mod:`lowwater.eval.job`) and the model
             server is shared.
         max_tasks_per_worker, max_rss_mb, high_water_mb: recycling and
             admission settings of the worker pool (see
             :class:`lowwater.workers.WorkerPool`).
+
+    Raises:
+        ValueError: a setting out of range (the message names its flag).
     """
 
     env: str = "arithmetic"
     env_options: dict[str, Any] = attrs.field(factory=dict)
     model: ModelSpec = ModelSpec("scripted", "scripted")
-    rollouts: int | None = None
-    group_size: int = 1
-    concurrency: int = 32
-    max_turns: int = 16
-    timeout_s: float = 600.0
-    harness: str = "inprocess"
+    rollouts: int | None = attrs.field(default=None, validator=v.optional(v.at_least(0, "rollouts")))
+    group_size: int = attrs.field(default=1, validator=v.at_least(1, "group-size"))
+    concurrency: int = attrs.field(default=32, validator=v.at_least(1))
+    max_turns: int = attrs.field(default=16, validator=v.at_least(1, "max-turns"))
+    timeout_s: float = attrs.field(default=600.0, validator=v.positive("timeout", "seconds"))
+    harness: str = attrs.field(default="inprocess", validator=v.one_of(HARNESSES, "harness"))
     persistent: bool = True
     out: Path = Path("runs/results.jsonl")
     resume: bool = False
-    max_attempts: int = 3
+    max_attempts: int = attrs.field(default=3, validator=v.at_least(1, "max-attempts"))
     seed: int = 0
-    tick_s: float = 1.0
-    workers: int = 0
-    max_tasks_per_worker: int | None = 500
-    max_rss_mb: float | None = None
-    high_water_mb: float | None = None
+    tick_s: float = attrs.field(default=1.0, validator=v.positive("tick", "seconds"))
+    workers: int = attrs.field(default=0, validator=v.at_least(0))
+    max_tasks_per_worker: int | None = attrs.field(default=500, validator=v.optional(v.at_least(1, "max-tasks-per-worker")))
+    max_rss_mb: float | None = attrs.field(default=None, validator=v.optional(v.positive("max-rss-mb")))
+    high_water_mb: float | None = attrs.field(default=None, validator=v.optional(v.positive("high-water-mb")))
 
-    def __attrs_post_init__(self) -> None:
-        for name in ("group_size", "concurrency", "max_turns", "max_attempts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be >= 1, not {getattr(self, name)}")
-        if self.rollouts is not None and self.rollouts < 0:
-            raise ValueError(f"rollouts must be >= 0, not {self.rollouts}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, not {self.timeout_s}")
-        if self.workers < 0:
-            raise ValueError(f"workers must be >= 0, not {self.workers}")
-        for name in ("max_rss_mb", "high_water_mb"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name.replace('_', '-')} must be > 0, not {value}")
-        if self.max_tasks_per_worker is not None and self.max_tasks_per_worker < 1:
-            raise ValueError(f"max-tasks-per-worker must be >= 1, not {self.max_tasks_per_worker}")
-
-    def to_json(self) -> dict[str, Any]:
-        """The settings a worker process needs, JSON-able (paths as strings)."""
-        data = attrs.asdict(self, recurse=True)
-        data["out"] = str(self.out)
-        return data
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> EvalConfig:
-        """Inverse of :meth:`to_json`."""
-        data = dict(data)
-        data["model"] = ModelSpec(**data["model"])
-        data["out"] = Path(data["out"])
-        return cls(**data)
+    def engine(self) -> EngineConfig:
+        """The settings that define this run's engines (here or in each worker)."""
+        return EngineConfig(env=self.env, env_options=self.env_options, model=self.model, group_size=self.group_size,
+                            concurrency=self.concurrency, max_turns=self.max_turns, timeout_s=self.timeout_s,
+                            harness=self.harness, persistent=self.persistent)
 
 
 class Totals:
@@ -200,8 +178,8 @@ async def run_eval(
 
     Raises:
         lowwater.plugins.UnknownName: unknown environment.
-        lowwater.results.ResultsFileError: ``out`` cannot be (re)used.
-        lowwater.upstream.UpstreamError: the model cannot be started/reached.
+        lowwater.eval.results.ResultsFileError: ``out`` cannot be (re)used.
+        lowwater.upstream.spec.UpstreamError: the model cannot be started/reached.
         ValueError: bad environment options.
     """
     plugins = plugins or plugins_mod.load()
@@ -256,52 +234,10 @@ async def run_eval(
     return EvalReport(summary, dict(totals.errors), record, config.out, leftovers, pool_report)
 
 
-@asynccontextmanager
-async def open_engine(
-    config: EvalConfig, env: Environment, plugins: plugins_mod.Plugins, upstream_url: str,
-    *, request_logprobs: bool = False,
-) -> AsyncIterator[tuple[Engine, Any]]:
-    """An :class:`Engine` for ``env`` with its interception server running.
-
-    Yields ``(engine, server)``; on exit the server is stopped and the
-    runtime pool (when ``config.persistent``) closed, shielded.  Used by
-    the in-process run, by each worker of a pooled one, and by the
-    embedding API's workers (with ``request_logprobs``: trainers need
-    token ids and logprobs).
-    """
-    from lowwater.interception import InterceptionServer  # heavy imports, only for runs
-    from lowwater.agent_client import AgentClient
-    from lowwater.model import ModelClient
-
-    pool = None
-    try:
-        async with ModelClient(upstream_url, api_key=config.model.api_key) as client:
-            server = InterceptionServer(client, protocols=list(plugins.protocols.values()) or None,
-                                        request_logprobs=request_logprobs)
-            async with trio.open_nursery() as services, \
-                    AgentClient(max_idle=config.concurrency, timeout_s=config.timeout_s) as http:
-                await services.start(server.run)
-                if config.persistent:
-                    from lowwater.runtime import RuntimePool
-
-                    pool = RuntimePool(plugins.runtimes, max_size=_pool_size(config))
-                engine = Engine(
-                    env, server, plugins, http,
-                    harness=config.harness, model=config.model.name, max_turns=config.max_turns,
-                    deadlines=Deadlines(rollout_s=config.timeout_s), runtime_config=_runtime_config(config), pool=pool,
-                )
-                yield engine, server
-                services.cancel_scope.cancel()
-    finally:
-        if pool is not None:
-            with trio.CancelScope(shield=True):
-                await pool.aclose()
-
-
 async def _run_here(config: EvalConfig, env: Environment, plugins: plugins_mod.Plugins, upstream_url: str,
                     done: set[Any], record: MemoryRecord, totals: Totals, write: Any, on_progress: Any) -> dict[str, int]:
     """Every rollout in this process; returns the engine's final stats."""
-    async with open_engine(config, env, plugins, upstream_url) as (engine, server):
+    async with open_engine(config.engine(), env, plugins, upstream_url) as (engine, server):
 
         async def on_result(rollout: Rollout) -> None:
             await write(rollout.result())
@@ -339,12 +275,12 @@ async def _run_pooled(config: EvalConfig, env: Environment, upstream_url: str, d
     from lowwater.workers import JobSpec, WorkerPool
 
     per_worker = max(1, -(-config.concurrency // (config.group_size * config.workers)))
-    spec = JobSpec("lowwater.eval_worker:make_job", {"config": config.to_json(), "upstream_url": upstream_url})
+    spec = JobSpec("lowwater.eval.job:make_job", {"config": config.engine().to_json(), "upstream_url": upstream_url})
     pool = WorkerPool(
         spec, workers=config.workers, concurrency_per_worker=per_worker,
         max_tasks_per_worker=config.max_tasks_per_worker, max_rss_mb=config.max_rss_mb,
         high_water_mb=config.high_water_mb, heartbeat_s=config.tick_s, seed=config.seed,
-        preload=("lowwater.eval_worker",),
+        preload=("lowwater.eval.job",),
     )
 
     async def on_rows(rows: list[dict[str, Any]], info: Any) -> None:
@@ -395,29 +331,6 @@ async def _one(engine: Engine, task: Task, group_size: int, on_result: Any, limi
     finally:
         for token in tokens:
             limiter.release_on_behalf_of(token)
-
-
-def _pool_size(config: EvalConfig) -> int:
-    """Persistent runtimes the run may hold at once: a few per core, never
-    more than the concurrency.
-
-    A program harness holds its runtime for the whole rollout, so beyond
-    this many its rollouts wait for a runtime (inside their deadline).  One
-    runtime per concurrent rollout was measured on GSM8K (1319 rollouts,
-    concurrency 32, two cores): each runtime's warm interpreters (the agent
-    program with the ``openai`` SDK, the math-verify scorer) cost 4.1 GB of
-    RSS across the process tree and re-paid their imports 32 times, 2.8x
-    slower than a pool of four (benches/eval_gsm8k.py, benches/README.md).
-    """
-    return max(1, min(config.concurrency, 2 * (os.cpu_count() or 1)))
-
-
-def _runtime_config(config: EvalConfig) -> Any:
-    try:
-        from lowwater.runtime import RuntimeConfig
-    except ImportError:  # runtime plugin disabled or absent: in-process only
-        return None
-    return RuntimeConfig(kind="subprocess", persistent=config.persistent)
 
 
 ERROR_ORDER = ERROR_CLASSES

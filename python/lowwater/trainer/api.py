@@ -1,4 +1,4 @@
-"""The embedding API: a trainer's loop asks lowwater for groups of rollouts,
+"""The trainer API: a trainer's loop asks lowwater for groups of rollouts,
 receives their token data as shard references, and releases every byte of
 the step with :meth:`Lowwater.clear_batch`.
 
@@ -14,7 +14,7 @@ Sync (any other trainer): :class:`SyncLowwater` runs the same object on a
 Trio loop in a background thread; its methods block the calling thread only.
 
 What lowwater holds between ``next_batch`` and ``clear_batch`` is exactly the
-batch's shards in the producer's :class:`~lowwater.shards.ShardStore`; the
+batch's shards in the producer's :class:`~lowwater.trainer.shards.ShardStore`; the
 rollouts' trajectories are evicted when each group has been turned into
 shards (DESIGN.md section 1: consumer fetch buffers that only the controller
 drained grew ~2 GB per step).
@@ -32,19 +32,21 @@ import attrs
 import httpx
 import trio
 
+from lowwater import _validate as v
 from lowwater import plugins as plugins_mod
 from lowwater._native import LowwaterError
 from lowwater.asgi import serve
-from lowwater.environment import Environment, Task
-from lowwater.producer import group_shards
+from lowwater.assembly import EngineConfig
+from lowwater.environment import HARNESSES, Environment, Task
+from lowwater.trainer.producer import group_shards
 from lowwater.rollout import Deadlines, Engine, Group
-from lowwater.shards import DrainReport, ShardRef, ShardStore, clear_batch
-from lowwater.upstream import ModelSpec, model_server
+from lowwater.trainer.shards import DrainReport, ShardRef, ShardStore, clear_batch
+from lowwater.upstream.spec import ModelSpec, model_server
 
 T = TypeVar("T")
 
 
-class EmbeddingClosed(LowwaterError):
+class TrainerClosed(LowwaterError):
     """The :class:`Lowwater` instance was shut down (or never started)."""
 
 
@@ -74,31 +76,20 @@ class TrainerConfig:
     env: str = "arithmetic"
     env_options: dict[str, Any] = attrs.field(factory=dict)
     model: ModelSpec = ModelSpec("scripted", "scripted")
-    group_size: int = 4
-    concurrency: int = 8
-    max_turns: int = 16
-    timeout_s: float = 600.0
-    harness: str = "inprocess"
+    group_size: int = attrs.field(default=4, validator=v.at_least(1))
+    concurrency: int = attrs.field(default=8, validator=v.at_least(1))
+    max_turns: int = attrs.field(default=16, validator=v.at_least(1))
+    timeout_s: float = attrs.field(default=600.0, validator=v.positive(unit="seconds"))
+    harness: str = attrs.field(default="inprocess", validator=v.one_of(HARNESSES))
     request_logprobs: bool = True
-    workers: int = 0
-    max_rss_mb: float | None = None
+    workers: int = attrs.field(default=0, validator=v.at_least(0))
+    max_rss_mb: float | None = attrs.field(default=None, validator=v.optional(v.positive()))
 
-    def __attrs_post_init__(self) -> None:
-        for name in ("group_size", "concurrency", "max_turns"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
-        if self.workers < 0:
-            raise ValueError(f"workers must be >= 0, not {self.workers}")
-        if self.max_rss_mb is not None and self.max_rss_mb <= 0:
-            raise ValueError(f"max_rss_mb must be > 0, not {self.max_rss_mb}")
-
-    def eval_config(self) -> Any:
-        """The engine settings a worker needs, as an :class:`lowwater.eval.EvalConfig`."""
-        from lowwater.eval import EvalConfig
-
-        return EvalConfig(env=self.env, env_options=self.env_options, model=self.model, group_size=self.group_size,
-                          concurrency=max(self.concurrency * self.group_size, 1), max_turns=self.max_turns,
-                          timeout_s=self.timeout_s, harness=self.harness)
+    def engine(self) -> EngineConfig:
+        """The engine settings each env worker runs with."""
+        return EngineConfig(env=self.env, env_options=self.env_options, model=self.model, group_size=self.group_size,
+                            concurrency=max(self.concurrency * self.group_size, 1), max_turns=self.max_turns,
+                            timeout_s=self.timeout_s, harness=self.harness)
 
 
 @attrs.frozen
@@ -108,7 +99,7 @@ class Batch:
     Attributes:
         step: 0-based step number.
         refs: shard references, six per group in
-            :data:`lowwater.producer.SHARD_NAMES` order.
+            :data:`lowwater.trainer.producer.SHARD_NAMES` order.
         rewards: per group, the members' rewards (float; errored rollouts 0).
         task_ids: per group, the task id.
         errors: rollouts of the batch that failed (they carry ``loss_mask`` 0).
@@ -166,11 +157,11 @@ class Lowwater:
 
         Raises:
             lowwater.plugins.UnknownName: unknown environment.
-            lowwater.upstream.UpstreamError: the model cannot be started/reached.
+            lowwater.upstream.spec.UpstreamError: the model cannot be started/reached.
         """
         from lowwater.interception import InterceptionServer
-        from lowwater.agent_client import AgentClient
-        from lowwater.model import ModelClient
+        from lowwater.upstream.agent_client import AgentClient
+        from lowwater.upstream.client import ModelClient
 
         plugins = plugins or plugins_mod.load()
         env: Environment = plugins.environment(config.env)(config.env_options)
@@ -205,12 +196,12 @@ class Lowwater:
         """Run ``n_groups`` groups of ``group_size`` rollouts and return their shards.
 
         Raises:
-            EmbeddingClosed: after shutdown.
+            TrainerClosed: after shutdown.
             ValueError: ``n_groups < 1``.
             lowwater.BufferFull: the shard store is at capacity.
         """
         if self.closed:
-            raise EmbeddingClosed("lowwater was shut down")
+            raise TrainerClosed("lowwater was shut down")
         if n_groups < 1:
             raise ValueError(f"n_groups must be >= 1, not {n_groups}")
         step = self.step
@@ -265,12 +256,12 @@ class Lowwater:
         # "INDEX|TASK_ID": a task may come twice in one batch; the pool needs
         # distinct ids, and the worker needs the environment's id back.
         ids = [f"{i}|{orjson.dumps(next(self._tasks).id).decode()}" for i in range(n_groups)]
-        spec = JobSpec("lowwater.embedding_worker:make_job", {
-            "config": config.eval_config().to_json(), "upstream_url": self._upstream_url,
+        spec = JobSpec("lowwater.trainer.job:make_job", {
+            "config": config.engine().to_json(), "upstream_url": self._upstream_url,
             "store_url": f"http://{self.store.address}", "step": step, "request_logprobs": config.request_logprobs,
         })
         pool = WorkerPool(spec, workers=config.workers, concurrency_per_worker=max(1, -(-config.concurrency // config.workers)),
-                          max_tasks_per_worker=None, max_rss_mb=config.max_rss_mb, preload=("lowwater.embedding_worker",))
+                          max_tasks_per_worker=None, max_rss_mb=config.max_rss_mb, preload=("lowwater.trainer.job",))
         slots: list[tuple[Any, list[ShardRef], tuple[float, ...], int] | None] = [None] * n_groups
 
         async def on_rows(rows: list[dict[str, Any]], info: Any) -> None:
@@ -342,7 +333,7 @@ class SyncLowwater:
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._closed:
-            raise EmbeddingClosed("SyncLowwater was closed")
+            raise TrainerClosed("SyncLowwater was closed")
         return trio.from_thread.run(lambda: fn(*args, **kwargs), trio_token=self._token)
 
     def next_batch(self, n_groups: int) -> Batch:

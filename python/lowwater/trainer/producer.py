@@ -1,6 +1,6 @@
 """Turning a finished group's trajectories into shards for a trainer.
 
-Per group, six shards go into the producer's :class:`~lowwater.shards.ShardStore`
+Per group, six shards go into the producer's :class:`~lowwater.trainer.shards.ShardStore`
 (ids ``{prefix}/{name}``):
 
 =============  =========  ==============  ==========================================
@@ -31,7 +31,7 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
-from lowwater.shards import ShardRef, ShardStore
+from lowwater.trainer.shards import ShardRef, ShardStore
 
 SHARD_NAMES = ("token_ids", "logprobs", "loss_mask", "offsets", "rewards", "advantages")
 
