@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark scripts (see ../shared/BENCHMARKS.md)."""
+"""Helpers shared by the benchmark scripts (see benches/README.md#output)."""
 
 from __future__ import annotations
 

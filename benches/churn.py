@@ -1,6 +1,6 @@
 """The 30-worker evaluation incident's workload, through the real stack.
 
-DESIGN.md section 1: an evaluation's env workers grew until the job was
+docs/design.md#incidents: an evaluation's env workers grew until the job was
 OOM-killed; its agents' requests carried the whole growing history with a
 base64 image per turn, and every intercepted body stayed alive until its
 rollout ended.  The peer's figures after its fix: 275 MB peak and 155 MB
@@ -35,7 +35,7 @@ resting - baseline <= 16 MB; slope < 1 KB per rollout.
 Usage: ``python benches/churn.py [--quick] [--workers 2] [--concurrency 4]
 [--turns 45] [--image-kb 150] [--rollouts 1000] [--sample-every 20]``.
 The last line of stdout is the JSON object described in
-../shared/BENCHMARKS.md.
+benches/README.md#output.
 """
 
 from __future__ import annotations

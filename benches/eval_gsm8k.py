@@ -35,7 +35,7 @@ program); the other figures are the last round's.
 
 Usage: ``python benches/eval_gsm8k.py [--quick] [--tasks 1319]
 [--concurrency 32] [--column 175b_verification] [--rounds 2]``.  The last line of stdout
-is the JSON object described in ../shared/BENCHMARKS.md.
+is the JSON object described in benches/README.md#output.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ client; it sends non-streamed chat completions.
 
 Usage: ``python benches/interception.py [--quick] [--latency-calls 2000]
 [--concurrency 256] [--calls-per-worker 20] [--rounds 2] [--rollouts 16384]``.
-The last stdout line is the JSON object ../shared/BENCHMARKS.md describes.
+The last stdout line is the JSON object benches/README.md#output describes.
 """
 
 from __future__ import annotations

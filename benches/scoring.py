@@ -1,6 +1,6 @@
 """Scoring rollouts: a cold interpreter per score against pooled runtimes with warm workers.
 
-DESIGN.md section 1: a peer paid a 0.2 s import per rollout by scoring in a
+docs/design.md#incidents: a peer paid a 0.2 s import per rollout by scoring in a
 fresh interpreter.  Both modes score the same rollouts, in the same run, with
 the same real verifier (``benches/scoring_script.py``: math-verify on GSM8K,
 recorded ``A: N`` solutions of four GPT-3 models from
@@ -25,7 +25,7 @@ labels.  Target: ``speedup_ratio`` (cold wall / warm wall) >= 50.
 
 Usage: ``python benches/scoring.py [--quick] [--rollouts 1000]
 [--concurrency 128] [--cold-processes N] [--warm-runtimes N]``.  The last
-line of stdout is the JSON object described in ../shared/BENCHMARKS.md.
+line of stdout is the JSON object described in benches/README.md#output.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Measured in the same run (interleaved rounds, medians):
 
 Usage: ``python benches/tables.py [--quick] [--small-bytes N] [--ops N]
 [--large-mib N] [--total-mib N] [--shard-mib N] [--rounds N]``.  The last
-line of stdout is the JSON object described in ../shared/BENCHMARKS.md.
+line of stdout is the JSON object described in benches/README.md#output.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Trainer steps with and without the step-end drain: consumer RSS per step.
 
-The incident (DESIGN.md section 1): trainer consumer processes grew ~2 GB per
+The incident (docs/design.md#incidents): trainer consumer processes grew ~2 GB per
 step and crashed near step 113, because the shard fetch buffer was drained only
 on the controller.  Here a producer (this process, a ``ShardStore`` served over
 loopback HTTP) makes each step's shards (per group: token ids int64

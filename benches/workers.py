@@ -1,7 +1,7 @@
 """The env worker pool: worker start-up cost, and worker RSS over a churn of
 rollout-shaped tasks with and without allocator hygiene.
 
-The incident (DESIGN.md section 1): a 30-worker evaluation was OOM-killed
+The incident (docs/design.md#incidents): a 30-worker evaluation was OOM-killed
 after five hours under 8 GiB; its workers never recycled, and the fix's
 spawned replacements lost copy-on-write sharing and restarted all at once.
 This bench measures, in one run:
@@ -38,7 +38,7 @@ histories and request bodies of in-flight rollouts), worst worker.
 Usage: ``python benches/workers.py [--quick] [--workers 2] [--concurrency 4]
 [--turns 45] [--image-kb 150] [--rollouts 1000] [--sample-every 50]
 [--start-workers 4]``.  The last line of stdout is the JSON object
-described in ../shared/BENCHMARKS.md.
+described in benches/README.md#output.
 """
 
 from __future__ import annotations

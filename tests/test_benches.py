@@ -1,4 +1,4 @@
-"""Every benchmark's --quick run prints the JSON shape ../shared/BENCHMARKS.md asks for.
+"""Every benchmark's --quick run prints the JSON shape benches/README.md#output asks for.
 
 Shapes only: the test suite never asserts a time.
 """

@@ -8,7 +8,7 @@ features are), so plugin discovery runs on every start.
 A plugin is a module (or object) with functions decorated by
 :data:`hookimpl` whose names and parameters match the specs below; a plugin
 may accept any subset of a spec's parameters.  ``docs/plugins.md`` is the
-tutorial; ``tests/plugins/test_hookspecs.py`` fails for a spec that is not
+tutorial; ``tests/engine/test_hookspecs.py`` fails for a spec that is not
 documented there or not tested.
 
 Two kinds of hooks:

@@ -3,7 +3,7 @@
 glibc keeps freed heap memory for reuse and returns it only when the top of a
 heap exceeds its trim threshold, which itself rises with the dynamic mmap
 threshold; an env worker in a peer system sat at 990 MB resting after a
-1053 MB peak for that reason (DESIGN.md section 1).  :func:`malloc_trim`
+1053 MB peak for that reason (docs/design.md#incidents).  :func:`malloc_trim`
 releases free pages of every arena.  It is guarded: the symbol does not exist
 on musl (``AttributeError``), the C library may not load (``OSError``), and it
 is pointless under jemalloc or tcmalloc (``LD_PRELOAD``).  It walks every

@@ -9,7 +9,7 @@ errors take.
 Deadlines: the whole-rollout deadline starts when the rollout starts work
 (admission and queueing do not count against it), each phase has its own,
 and cleanup runs shielded under a deadline of its own, so a cancelled or
-timed-out rollout still frees everything it held (DESIGN.md section 1: the
+timed-out rollout still frees everything it held (docs/design.md#incidents: the
 env-worker incident, where trajectories outlived their rollouts).
 
 Errors are data: a failed rollout records a :class:`RolloutError` with a

@@ -4,7 +4,7 @@ A :class:`Trajectory` is the record of one rollout's model calls.  Each
 :class:`Turn` keeps the *message delta* of its request (the messages the
 agent added since the previous call), never a fresh copy of the whole
 history: a 45-turn multimodal rollout whose every turn kept its full prompt
-held every base64 image 45 times over (DESIGN.md section 1, the env-worker
+held every base64 image 45 times over (docs/design.md#incidents, the env-worker
 incident).
 
 The :class:`TrajectoryRegistry` is the one place trajectories live while a

@@ -4,7 +4,7 @@ Each step plays what a real run does to the tables:
 
 * the **intercept table** holds the request body of every in-flight model
   call (a growing chat history with a base64 image, as in the 45-turn
-  browser rollouts of DESIGN.md section 1); a delivered call is discarded at
+  browser rollouts of docs/design.md#incidents); a delivered call is discarded at
   once, and closing a rollout sweeps the calls it left undelivered;
 * the **fetch buffer** of a consumer fills with the step's shards (token ids,
   logprobs, rewards), hands out zero-copy views, and is drained at step end

@@ -221,7 +221,7 @@ class Admin:
 
         self.server = server
         # Revoked under the store's lock: a stale session's key stops working
-        # at the proxy before its dump is written (DESIGN.md: session).
+        # at the proxy before its dump is written (docs/design.md#vocabulary: session).
         self.store = SessionStore(sessions, revoke=server.unregister) if sessions is not None else None
         self.out_file = out_file
         self.admin_key = admin_key

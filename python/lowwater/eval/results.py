@@ -3,7 +3,7 @@
 Rows are written and flushed as each rollout finishes, in a worker thread
 (file writes never run on the Trio loop), and nothing keeps them afterwards:
 a peer's 30-worker evaluation kept its result history and a deep copy of the
-run metadata per result and was OOM-killed after 5 h (DESIGN.md section 1).
+run metadata per result and was OOM-killed after 5 h (docs/design.md#incidents).
 Run metadata is the header line, written once; rows carry only ``run_id``.
 
 Crash safety: each row is a single ``write`` of a whole line followed by a

@@ -1,7 +1,7 @@
 """The eval runner behind ``lowwater eval``: rollouts of an environment against
 a model, streamed to a results file, with a memory record and a summary.
 
-Memory discipline (DESIGN.md section 1, the 30-worker evaluation incident):
+Memory discipline (docs/design.md#incidents, the 30-worker evaluation incident):
 tasks are pulled from the taskset lazily as concurrency frees up; each
 finished rollout's row is written and flushed, then dropped (the runner keeps
 running totals, not results); run metadata is one header line.

@@ -2,14 +2,13 @@
 each model call of a rollout as a turn and holds its request body for exactly
 the life of the call.
 
-Per call (DESIGN.md section 4, step 4): authenticate the rollout's secret,
+Per call (docs/design.md#data-flow, step 4): authenticate the rollout's secret,
 put the raw body in the :class:`~lowwater.InterceptTable`, forward it
 upstream, append the turn to the trajectory, deliver the answer (relaying
 SSE as it arrives and holding the terminal event until the turn is
 recorded), and discard the intercept in ``finally``.  A peer kept every
 intercepted body (the full history with base64 images) until its rollout
-ended and ran out of memory within a few training steps (DESIGN.md
-section 1).  Here the agent's bytes live once, in the table: the upstream
+ended and ran out of memory within a few training steps (docs/design.md#incidents).  Here the agent's bytes live once, in the table: the upstream
 request is sent from a zero-copy view of the table entry, and of the parsed
 body only the turn's message delta outlives the parse.
 

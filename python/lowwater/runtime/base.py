@@ -1,7 +1,6 @@
 """The runtime contract: :class:`Runtime`, its config, its results and its errors.
 
-A runtime is where agent programs and scoring scripts execute (DESIGN.md
-section 2).  The built-in one runs local subprocesses
+A runtime is where agent programs and scoring scripts execute (docs/design.md#vocabulary).  The built-in one runs local subprocesses
 (:mod:`lowwater.runtime.subprocess`); containers and remote sandboxes are
 plugins that register a factory through ``register_runtimes``.  A runtime is
 **single-use**: ``start`` -> any number of ``run``/``run_script``/``reset``

@@ -1,6 +1,6 @@
 """Warm workers, client side: one long-lived process per script.
 
-DESIGN.md section 1: scoring paid a 0.2 s import per rollout in a fresh
+docs/design.md#incidents: scoring paid a 0.2 s import per rollout in a fresh
 interpreter.  A warm worker (:mod:`lowwater.runtime._warm_worker`) imports a
 script once and answers many calls to its ``main(argv) -> str`` over
 length-prefixed JSON frames on its stdin/stdout.

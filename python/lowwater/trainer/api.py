@@ -16,7 +16,7 @@ Trio loop in a background thread; its methods block the calling thread only.
 What lowwater holds between ``next_batch`` and ``clear_batch`` is exactly the
 batch's shards in the producer's :class:`~lowwater.trainer.shards.ShardStore`; the
 rollouts' trajectories are evicted when each group has been turned into
-shards (DESIGN.md section 1: consumer fetch buffers that only the controller
+shards (docs/design.md#incidents: consumer fetch buffers that only the controller
 drained grew ~2 GB per step).
 """
 

@@ -5,7 +5,7 @@ a trainer.  Its producer keeps it in a :class:`ShardStore` (owner side, a
 :class:`~lowwater.FetchBuffer`) and hands out :class:`ShardRef` references.
 Consumers resolve references with :meth:`ShardConsumer.fetch` into their own
 fetch buffer, and at step end :func:`clear_batch` removes the owner's copies
-and tells every consumer to drain exactly those ids (DESIGN.md section 1: the
+and tells every consumer to drain exactly those ids (docs/design.md#incidents: the
 consumer processes that grew ~2 GB per step because only the controller
 drained).
 

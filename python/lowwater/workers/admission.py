@@ -1,7 +1,7 @@
 """Admission control by memory: high/low-water hysteresis per worker and
 for the whole pool against the machine or cgroup memory limit.
 
-The 30-worker evaluation incident (DESIGN.md section 1) was an OOM kill
+The 30-worker evaluation incident (docs/design.md#incidents) was an OOM kill
 after hours of slow growth; recycling alone reacts only after a worker is
 already big, and a pool of workers that each stay under their own limit can
 still exceed the machine's.  Admission holds new tasks back while memory is

@@ -1,6 +1,6 @@
 """Allocator hygiene for worker processes.
 
-The 30-worker evaluation incident (DESIGN.md section 1) ran workers whose
+The 30-worker evaluation incident (docs/design.md#incidents) ran workers whose
 RSS never came back down: glibc keeps freed memory in per-thread arenas (up
 to 8 x cores of them) and, once a large block is freed, raises its dynamic
 mmap threshold so later large blocks come from arenas that are rarely

@@ -1,7 +1,7 @@
 """The env worker pool: N worker processes, each a Trio loop serving many
 tasks of one job, that recycle, admit by memory, heartbeat and recover.
 
-Why it looks like this (DESIGN.md section 1, the 30-worker evaluation
+Why it looks like this (docs/design.md#incidents, the 30-worker evaluation
 incident: OOM-killed after five hours under 8 GiB): the peers' workers never
 recycled, so RSS crept up; their fix then OOM-killed jobs at start, because
 freshly *spawned* replacements lost copy-on-write sharing and all restarted

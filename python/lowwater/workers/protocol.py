@@ -5,7 +5,7 @@ payload (a JSON object).  Both ends wrap their end of a Unix socket pair in
 :class:`trio.lowlevel.FdStream`, so reads and writes never block the loop.
 
 Messages are small and few: the parent sends task *ids* (never payloads,
-DESIGN.md section 1: the 30-worker evaluation incident kept copies of run
+docs/design.md#incidents: the 30-worker evaluation incident kept copies of run
 data per result); the child sends result rows once per task and a
 heartbeat on a fixed cadence.  See ``docs/workers.md`` for every message.
 """
