@@ -29,7 +29,7 @@ def pid_rss_bytes(pid: int) -> int | None:
 def slope_bytes_per_rollout(points: list[tuple[int, int]]) -> float:
     """Least-squares slope of RSS (bytes) against finished rollouts over the
     second half of ``points`` (``(finished, rss_bytes)`` pairs)."""
-    half = points[len(points) // 2:]
+    half = points[len(points) // 2 :]
     if len(half) < 2 or len({x for x, _ in half}) < 2:
         return 0.0
     mx = sum(x for x, _ in half) / len(half)

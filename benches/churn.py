@@ -51,19 +51,18 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import MIB, emit, progress, settle_and_sample, slope_bytes_per_rollout, target  # noqa: E402
-from _common import pid_rss_bytes as _rss  # noqa: E402
+import orjson
+import trio
 
-import orjson  # noqa: E402
-import trio  # noqa: E402
-
-from lowwater import plugins as plugins_mod  # noqa: E402
-from lowwater.environment import Environment, HarnessContext, Score, Task  # noqa: E402
-from lowwater.assembly import EngineConfig  # noqa: E402
-from lowwater.eval.job import EvalJob  # noqa: E402
-from lowwater.rollout import Rollout, RolloutFailed  # noqa: E402
-from lowwater.upstream.spec import ModelSpec, model_server  # noqa: E402
-from lowwater.workers import JobSpec, WorkerPool  # noqa: E402
+from _common import MIB, emit, progress, settle_and_sample, slope_bytes_per_rollout, target
+from _common import pid_rss_bytes as _rss
+from lowwater import plugins as plugins_mod
+from lowwater.assembly import EngineConfig
+from lowwater.environment import Environment, HarnessContext, Score, Task
+from lowwater.eval.job import EvalJob
+from lowwater.rollout import Rollout, RolloutFailed
+from lowwater.upstream.spec import ModelSpec, model_server
+from lowwater.workers import JobSpec, WorkerPool
 
 # Workers import this file by module name (they never import __main__).
 FACTORY = f"{Path(__file__).stem}:ChurnJob"
@@ -98,10 +97,15 @@ class ChurnEnvironment(Environment):
         try:
             for turn in range(self.turns):
                 image = base64.b64encode(os.urandom(self.image_kb * 1024)).decode()
-                history.append({"role": "user", "content": [
-                    {"type": "text", "text": f"{ctx.task.prompt}, turn {turn}: what is in this image?"},
-                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
-                ]})
+                history.append(
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": f"{ctx.task.prompt}, turn {turn}: what is in this image?"},
+                            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
+                        ],
+                    }
+                )
                 # Held twice by design: in the agent's history and, once, in
                 # the rollout's trajectory (the turn's message delta).
                 self._hold(2 * len(image))
@@ -152,13 +156,20 @@ async def churn(a: argparse.Namespace) -> dict[str, float]:
             baseline[fields["pid"]] = fields["rss"]
 
     async with model_server(ModelSpec("scripted", "scripted")) as upstream_url:
-        config = EngineConfig(env="churn", concurrency=a.concurrency, max_turns=a.turns + 1, persistent=False,
-                              timeout_s=600.0)
+        config = EngineConfig(
+            env="churn", concurrency=a.concurrency, max_turns=a.turns + 1, persistent=False, timeout_s=600.0
+        )
         pool = WorkerPool(
-            JobSpec(FACTORY, {"config": config.to_json(), "upstream_url": upstream_url,
-                              "turns": a.turns, "image_kb": a.image_kb}),
-            workers=a.workers, concurrency_per_worker=a.concurrency, max_tasks_per_worker=None,
-            heartbeat_s=0.05, trim_interval_s=0.05, on_event=on_event,
+            JobSpec(
+                FACTORY,
+                {"config": config.to_json(), "upstream_url": upstream_url, "turns": a.turns, "image_kb": a.image_kb},
+            ),
+            workers=a.workers,
+            concurrency_per_worker=a.concurrency,
+            max_tasks_per_worker=None,
+            heartbeat_s=0.05,
+            trim_interval_s=0.05,
+            on_event=on_event,
         )
 
         async def on_rows(rows: list[dict], info: Any) -> None:
@@ -196,8 +207,13 @@ async def churn(a: argparse.Namespace) -> dict[str, float]:
         "rss_slope_bytes_per_rollout": max(slope_bytes_per_rollout(resting[p]) for p in pids),
         # The spread of the settled samples the slope is fitted to (second half, worst worker).
         "resting_spread_mb": max(
-            (max(y for _, y in resting[p][len(resting[p]) // 2:]) - min(y for _, y in resting[p][len(resting[p]) // 2:]))
-            for p in pids) / MIB,
+            (
+                max(y for _, y in resting[p][len(resting[p]) // 2 :])
+                - min(y for _, y in resting[p][len(resting[p]) // 2 :])
+            )
+            for p in pids
+        )
+        / MIB,
         "rollouts_per_s": a.rollouts / wall,
         "wall_s": wall,
         "errors_count": errors,
@@ -219,13 +235,23 @@ def main() -> None:
     a = p.parse_args()
     if a.quick:
         a.turns, a.image_kb, a.rollouts, a.sample_every = 8, 32, 24, 4
-    progress(f"churn: {a.workers} workers x {a.concurrency} rollouts of {a.turns} turns, {a.image_kb} KiB images, "
-             f"{a.rollouts} rollouts")
+    progress(
+        f"churn: {a.workers} workers x {a.concurrency} rollouts of {a.turns} turns, {a.image_kb} KiB images, "
+        f"{a.rollouts} rollouts"
+    )
     results = trio.run(churn, a)
-    results["peak_over_live_set_ratio"] = (results["peak_over_baseline_mb"] / results["live_set_mb"]
-                                           if results["live_set_mb"] else 0.0)
-    params = {"quick": a.quick, "workers": a.workers, "concurrency": a.concurrency, "turns": a.turns,
-              "image_kb": a.image_kb, "rollouts": a.rollouts, "sample_every": a.sample_every}
+    results["peak_over_live_set_ratio"] = (
+        results["peak_over_baseline_mb"] / results["live_set_mb"] if results["live_set_mb"] else 0.0
+    )
+    params = {
+        "quick": a.quick,
+        "workers": a.workers,
+        "concurrency": a.concurrency,
+        "turns": a.turns,
+        "image_kb": a.image_kb,
+        "rollouts": a.rollouts,
+        "sample_every": a.sample_every,
+    }
     targets = {
         "peak_over_live_set_ratio": target(results["peak_over_live_set_ratio"], max=3.0),
         "resting_over_baseline_mb": target(results["resting_over_baseline_mb"], max=16.0),

@@ -50,17 +50,35 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import MIB, emit, progress, rss_bytes, target  # noqa: E402
+from _common import MIB, emit, progress, rss_bytes, target
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
 
 def lowwater_run(harness: str, a: argparse.Namespace, out_dir: Path) -> dict:
     out, summary = out_dir / f"{harness}.jsonl", out_dir / f"{harness}.summary.json"
-    cmd = [sys.executable, "-m", "lowwater", "eval", "gsm8k", "--data", str(DATA / "test.jsonl"),
-           "--model", f"replay:{DATA / 'example_model_solutions.jsonl'}#{a.column}", "-n", str(a.tasks),
-           "-c", str(a.concurrency), "--harness", harness, "--out", str(out), "--summary-json", str(summary),
-           "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lowwater",
+        "eval",
+        "gsm8k",
+        "--data",
+        str(DATA / "test.jsonl"),
+        "--model",
+        f"replay:{DATA / 'example_model_solutions.jsonl'}#{a.column}",
+        "-n",
+        str(a.tasks),
+        "-c",
+        str(a.concurrency),
+        "--harness",
+        harness,
+        "--out",
+        str(out),
+        "--summary-json",
+        str(summary),
+        "--no-progress",
+    ]
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
         tree_peak = 0
@@ -100,7 +118,9 @@ def agreement(out: Path, a: argparse.Namespace) -> dict:
             labels.append(json.loads(line)[a.column]["is_correct"])
     rows = [json.loads(line) for line in out.read_text().splitlines()[1:]]
     by_task = {r["task_id"]: r for r in rows}
-    disagree = [i for i, label in enumerate(labels) if bool(by_task.get(i, {}).get("metrics", {}).get("correct")) != label]
+    disagree = [
+        i for i, label in enumerate(labels) if bool(by_task.get(i, {}).get("metrics", {}).get("correct")) != label
+    ]
     return {"rows": len(rows), "agree": len(labels) - len(disagree), "disagreeing_tasks": disagree[:20]}
 
 
@@ -113,7 +133,7 @@ def direct_child(a: argparse.Namespace) -> None:
 
     from lowwater.envs.agent import chat_tool_loop
     from lowwater.memory import Trimmer
-    from lowwater.upstream.spec import parse_model, model_server
+    from lowwater.upstream.spec import model_server, parse_model
 
     questions = []
     with open(DATA / "test.jsonl", "rb") as f:
@@ -141,7 +161,7 @@ def direct_child(a: argparse.Namespace) -> None:
                     async with limiter:
                         try:
                             await chat_tool_loop(http, url, "direct", question, model=spec.name, max_turns=16)
-                        except Exception:  # noqa: BLE001 - counted, as an eval counts errors
+                        except Exception:
                             failures += 1
 
                 nursery.start_soon(sample)
@@ -157,8 +177,17 @@ def direct_child(a: argparse.Namespace) -> None:
     gc.collect()
     Trimmer(0.0)()
     resting = rss_bytes()
-    print(json.dumps({"wall_s": wall_s, "errors": failures, "rss_baseline_mb": baseline / MIB,
-                      "rss_peak_mb": max(samples) / MIB, "rss_resting_mb": resting / MIB}))
+    print(
+        json.dumps(
+            {
+                "wall_s": wall_s,
+                "errors": failures,
+                "rss_baseline_mb": baseline / MIB,
+                "rss_peak_mb": max(samples) / MIB,
+                "rss_resting_mb": resting / MIB,
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -183,44 +212,66 @@ def main() -> None:
         # Interleaved rounds (direct, in-process, program): a noisy neighbour
         # slows all three, not one (the direct run alone varied 5.7-9.6 s).
         progress(f"round {round_ + 1}/{a.rounds}: direct baseline, {a.tasks} tasks, concurrency {a.concurrency}")
-        child = [sys.executable, __file__, "--direct-child", "--tasks", str(a.tasks),
-                 "--concurrency", str(a.concurrency), "--column", a.column]
+        child = [
+            sys.executable,
+            __file__,
+            "--direct-child",
+            "--tasks",
+            str(a.tasks),
+            "--concurrency",
+            str(a.concurrency),
+            "--column",
+            a.column,
+        ]
         done = subprocess.run(child, capture_output=True, text=True)
         if done.returncode != 0:
             sys.exit(f"direct baseline failed:\n{done.stderr[-3000:]}")
         direct = json.loads(done.stdout.strip().splitlines()[-1])
         walls["direct"].append(direct["wall_s"])
         progress(f"  {direct['wall_s']:.2f} s, {direct['errors']} errors")
-        results.update({
-            "direct_errors_count": direct["errors"], "direct_rss_baseline_mb": direct["rss_baseline_mb"],
-            "direct_rss_peak_mb": direct["rss_peak_mb"], "direct_rss_resting_mb": direct["rss_resting_mb"],
-        })
+        results.update(
+            {
+                "direct_errors_count": direct["errors"],
+                "direct_rss_baseline_mb": direct["rss_baseline_mb"],
+                "direct_rss_peak_mb": direct["rss_peak_mb"],
+                "direct_rss_resting_mb": direct["rss_resting_mb"],
+            }
+        )
         with tempfile.TemporaryDirectory() as tmp:
             for harness in ("inprocess", "program"):
                 progress(f"round {round_ + 1}/{a.rounds}: lowwater eval gsm8k --harness {harness}, {a.tasks} tasks")
                 run = lowwater_run(harness, a, Path(tmp))
                 s, agree = run["summary"], run["agreement"]
                 walls[harness].append(s["wall_s"])
-                progress(f"  {s['wall_s']:.2f} s, accuracy {100 * s['accuracy']:.2f} %, agreement "
-                         f"{agree['agree']}/{a.tasks}, errors {s['errors']}; disagreeing tasks {agree['disagreeing_tasks']}")
-                results.update({  # the last round's figures; walls are medians over rounds
-                    f"{harness}_rollouts_per_s": s["rollouts_per_s"],
-                    f"{harness}_errors_count": s["errors"], f"{harness}_accuracy_ratio": s["accuracy"],
-                    f"{harness}_agreement_ratio": agree["agree"] / a.tasks,
-                    f"{harness}_rss_baseline_mb": s["rss_baseline_mb"], f"{harness}_rss_peak_mb": s["rss_peak_mb"],
-                    f"{harness}_rss_resting_mb": s["rss_resting_mb"],
-                    f"{harness}_resting_over_baseline_mb": s["rss_resting_mb"] - s["rss_baseline_mb"],
-                    f"{harness}_tree_rss_peak_mb": run["tree_peak"] / MIB,
-                })
+                progress(
+                    f"  {s['wall_s']:.2f} s, accuracy {100 * s['accuracy']:.2f} %, agreement "
+                    f"{agree['agree']}/{a.tasks}, errors {s['errors']}; disagreeing tasks {agree['disagreeing_tasks']}"
+                )
+                results.update(
+                    {  # the last round's figures; walls are medians over rounds
+                        f"{harness}_rollouts_per_s": s["rollouts_per_s"],
+                        f"{harness}_errors_count": s["errors"],
+                        f"{harness}_accuracy_ratio": s["accuracy"],
+                        f"{harness}_agreement_ratio": agree["agree"] / a.tasks,
+                        f"{harness}_rss_baseline_mb": s["rss_baseline_mb"],
+                        f"{harness}_rss_peak_mb": s["rss_peak_mb"],
+                        f"{harness}_rss_resting_mb": s["rss_resting_mb"],
+                        f"{harness}_resting_over_baseline_mb": s["rss_resting_mb"] - s["rss_baseline_mb"],
+                        f"{harness}_tree_rss_peak_mb": run["tree_peak"] / MIB,
+                    }
+                )
     for name, values in walls.items():
         results[f"{name}_wall_s"] = statistics.median(values)
     for harness in ("inprocess", "program"):
         results[f"{harness}_vs_direct_ratio"] = results[f"{harness}_wall_s"] / results["direct_wall_s"]
     params = {"quick": a.quick, "tasks": a.tasks, "concurrency": a.concurrency, "column": a.column, "rounds": a.rounds}
     limits = {
-        "inprocess_vs_direct_ratio": {"max": 2.5}, "program_vs_direct_ratio": {"max": 4.0},
-        "inprocess_resting_over_baseline_mb": {"max": 16.0}, "program_resting_over_baseline_mb": {"max": 16.0},
-        "inprocess_agreement_ratio": {"min": 0.99}, "program_agreement_ratio": {"min": 0.99},
+        "inprocess_vs_direct_ratio": {"max": 2.5},
+        "program_vs_direct_ratio": {"max": 4.0},
+        "inprocess_resting_over_baseline_mb": {"max": 16.0},
+        "program_resting_over_baseline_mb": {"max": 16.0},
+        "inprocess_agreement_ratio": {"min": 0.99},
+        "program_agreement_ratio": {"min": 0.99},
     }
     emit("eval_gsm8k", params, results, {k: target(results[k], **bound) for k, bound in limits.items()})
 

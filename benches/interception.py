@@ -44,18 +44,20 @@ import orjson
 import trio
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import MIB, emit, progress, rss_bytes, target  # noqa: E402
+from _common import MIB, emit, progress, rss_bytes, target
 
 ADMIN_KEY = "bench-admin"
 # The proxy's entry point (a variable so a diagnostic driver can wrap it).
 PROXY_MAIN = "import sys; from lowwater import cli; sys.exit(cli.main(sys.argv[1:]))"
-REQUEST = orjson.dumps({
-    "model": "bench",
-    "messages": [
-        {"role": "system", "content": "You are a careful assistant. Answer briefly."},
-        {"role": "user", "content": "Tell me something about the weather on a quiet afternoon."},
-    ],
-})
+REQUEST = orjson.dumps(
+    {
+        "model": "bench",
+        "messages": [
+            {"role": "system", "content": "You are a careful assistant. Answer briefly."},
+            {"role": "user", "content": "Tell me something about the weather on a quiet afternoon."},
+        ],
+    }
+)
 
 
 # --- the load generator: a minimal HTTP/1.1 client ---------------------------------
@@ -73,8 +75,9 @@ class Conn:
     async def connect(self) -> None:
         self.stream = await trio.open_tcp_stream(self.host, self.port)
 
-    async def request(self, method: str, path: str, body: bytes = b"", headers: bytes = b"", *,
-                      idempotent: bool = False) -> tuple[int, bytes]:
+    async def request(
+        self, method: str, path: str, body: bytes = b"", headers: bytes = b"", *, idempotent: bool = False
+    ) -> tuple[int, bytes]:
         if self.closing:
             await self.aclose()
             self.stream, self.closing = None, False
@@ -82,8 +85,14 @@ class Conn:
         if self.stream is None:
             await self.connect()
         assert self.stream is not None
-        head = (f"{method} {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\ncontent-type: application/json\r\n"
-                f"content-length: {len(body)}\r\n").encode() + headers + b"\r\n"
+        head = (
+            (
+                f"{method} {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\n"
+            ).encode()
+            + headers
+            + b"\r\n"
+        )
         try:
             await self.stream.send_all(head + body)
             return await self._response()
@@ -205,8 +214,10 @@ async def latency_round(direct: Target, through: Target, rollout: dict, calls: i
     through the proxy, so both series see the same moments of a noisy host
     (blocks of 1000 each way put host slowdowns on one side: added p50 read
     2.18 and 3.04 ms in two runs an hour apart)."""
-    sides = {"direct": (Conn(direct.host, direct.port), direct.path, auth(None)),
-             "proxy": (Conn(through.host, through.port), through.path, auth(rollout))}
+    sides = {
+        "direct": (Conn(direct.host, direct.port), direct.path, auth(None)),
+        "proxy": (Conn(through.host, through.port), through.path, auth(rollout)),
+    }
     out: dict[str, list[float]] = {"direct": [], "proxy": []}
     for i in range(calls + 5):
         for side, (conn, path, headers) in sides.items():
@@ -269,8 +280,14 @@ async def hold_open(proxy_url: str, gate_url: str, proxy_pid: int, n: int) -> di
             await conn.connect()
             assert conn.stream is not None
             body = REQUEST
-            head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
-                    f"content-length: {len(body)}\r\n").encode() + auth(rollout) + b"\r\n"
+            head = (
+                (
+                    f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+                    f"content-length: {len(body)}\r\n"
+                ).encode()
+                + auth(rollout)
+                + b"\r\n"
+            )
             await conn.stream.send_all(head + body)
         try:
             status, _ = await conn._response()
@@ -342,10 +359,21 @@ def gate_child() -> None:
     from lowwater.commands.proxy import raise_open_file_limit
 
     raise_open_file_limit()
-    answer = {"id": "chatcmpl-gate", "object": "chat.completion", "created": 0, "model": "gate",
-              "choices": [{"index": 0, "message": {"role": "assistant", "content": "The gate opened."},
-                           "finish_reason": "stop", "logprobs": None}],
-              "usage": {"prompt_tokens": 20, "completion_tokens": 4, "total_tokens": 24}}
+    answer = {
+        "id": "chatcmpl-gate",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "gate",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "The gate opened."},
+                "finish_reason": "stop",
+                "logprobs": None,
+            }
+        ],
+        "usage": {"prompt_tokens": 20, "completion_tokens": 4, "total_tokens": 24},
+    }
     state = {"open": trio.Event()}
     state["open"].set()
 
@@ -373,8 +401,13 @@ def gate_child() -> None:
 
 def start(argv: list[str], *, url_on: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """Start a child; its URL is the first ``http://`` word on stdout or stderr."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE if url_on == "stdout" else subprocess.DEVNULL,
-                            stderr=subprocess.PIPE if url_on == "stderr" else None, env=env, text=True)
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE if url_on == "stdout" else subprocess.DEVNULL,
+        stderr=subprocess.PIPE if url_on == "stderr" else None,
+        env=env,
+        text=True,
+    )
     stream = proc.stdout if url_on == "stdout" else proc.stderr
     assert stream is not None
     line = stream.readline()
@@ -392,8 +425,24 @@ def start_proxy(upstream: str, out_dir: str, pythonmalloc: str | None = None) ->
     env = {**os.environ, "LOWWATER_ADMIN_KEY": ADMIN_KEY}
     if pythonmalloc:
         env["PYTHONMALLOC"] = pythonmalloc
-    return start([sys.executable, "-c", PROXY_MAIN, "proxy", "--upstream", upstream, "--listen", "127.0.0.1:0",
-                  "--out", out_dir, "--retries", "0"], url_on="stderr", env=env)
+    return start(
+        [
+            sys.executable,
+            "-c",
+            PROXY_MAIN,
+            "proxy",
+            "--upstream",
+            upstream,
+            "--listen",
+            "127.0.0.1:0",
+            "--out",
+            out_dir,
+            "--retries",
+            "0",
+        ],
+        url_on="stderr",
+        env=env,
+    )
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -412,10 +461,16 @@ def main() -> None:
     p.add_argument("--calls-per-worker", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--rollouts", type=int, default=16384)
-    p.add_argument("--pythonmalloc", default=None,
-                   help="PYTHONMALLOC for the proxies (e.g. 'malloc': glibc instead of pymalloc's 1 MiB arenas)")
-    p.add_argument("--phases", default="latency,throughput,hold",
-                   help="comma-separated subset of latency, throughput, hold (default all)")
+    p.add_argument(
+        "--pythonmalloc",
+        default=None,
+        help="PYTHONMALLOC for the proxies (e.g. 'malloc': glibc instead of pymalloc's 1 MiB arenas)",
+    )
+    p.add_argument(
+        "--phases",
+        default="latency,throughput,hold",
+        help="comma-separated subset of latency, throughput, hold (default all)",
+    )
     p.add_argument("--_gate-child", dest="gate_child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     phases = set(a.phases.split(","))
@@ -433,6 +488,7 @@ def main() -> None:
     gated, gated_url = start_proxy(gate_url + "/v1", out_dir, a.pythonmalloc)
     results: dict = {}
     try:
+
         async def run() -> None:
             if "latency" in phases:
                 await latency_phase()
@@ -446,24 +502,33 @@ def main() -> None:
             direct = Target(model_url, "/v1/chat/completions")
             through = Target(proxy_url, "/v1/chat/completions")
             (one,) = await open_rollouts(proxy_url, 1)
-            progress(f"latency: {a.rounds} x {a.latency_calls // a.rounds} sequential calls each way, alternating call by call")
+            progress(
+                f"latency: {a.rounds} x {a.latency_calls // a.rounds} sequential calls each way, alternating call by call"
+            )
             lat = {"direct": [], "proxy": []}
             for _ in range(a.rounds):
                 for side, times in (await latency_round(direct, through, one, a.latency_calls // a.rounds)).items():
                     lat[side] += times
             await close_rollouts(proxy_url, [one])
             q = {k: statistics.quantiles(v, n=100) for k, v in lat.items()}
-            results.update({
-                "direct_p50_ms": q["direct"][49], "direct_p99_ms": q["direct"][98],
-                "proxy_p50_ms": q["proxy"][49], "proxy_p99_ms": q["proxy"][98],
-                "added_p50_ms": q["proxy"][49] - q["direct"][49], "added_p99_ms": q["proxy"][98] - q["direct"][98],
-            })
+            results.update(
+                {
+                    "direct_p50_ms": q["direct"][49],
+                    "direct_p99_ms": q["direct"][98],
+                    "proxy_p50_ms": q["proxy"][49],
+                    "proxy_p99_ms": q["proxy"][98],
+                    "added_p50_ms": q["proxy"][49] - q["direct"][49],
+                    "added_p99_ms": q["proxy"][98] - q["direct"][98],
+                }
+            )
 
         async def throughput_phase() -> None:
             direct = Target(model_url, "/v1/chat/completions")
             through = Target(proxy_url, "/v1/chat/completions")
-            progress(f"throughput: concurrency {a.concurrency}, {a.calls_per_worker} calls per worker, "
-                     f"{a.rounds} interleaved rounds (+1 warm-up)")
+            progress(
+                f"throughput: concurrency {a.concurrency}, {a.calls_per_worker} calls per worker, "
+                f"{a.rounds} interleaved rounds (+1 warm-up)"
+            )
             rollouts = await open_rollouts(proxy_url, a.concurrency)
             rates = {"direct": [], "proxy": []}
             for r in range(a.rounds + 1):
@@ -474,22 +539,37 @@ def main() -> None:
                     rates["direct"].append(d)
                     rates["proxy"].append(x)
             await close_rollouts(proxy_url, rollouts)
-            results.update({
-                "direct_turns_per_s": statistics.median(rates["direct"]),
-                "proxy_turns_per_s": statistics.median(rates["proxy"]),
-            })
+            results.update(
+                {
+                    "direct_turns_per_s": statistics.median(rates["direct"]),
+                    "proxy_turns_per_s": statistics.median(rates["proxy"]),
+                }
+            )
             results["throughput_ratio"] = results["proxy_turns_per_s"] / results["direct_turns_per_s"]
 
         trio.run(run)
     finally:
         for proc in (gated, gate, proxy, model):
             stop(proc)
-    params = {"quick": a.quick, "latency_calls": a.latency_calls, "concurrency": a.concurrency,
-              "calls_per_worker": a.calls_per_worker, "rounds": a.rounds, "rollouts": a.rollouts,
-              "phases": sorted(phases), "request_bytes": len(REQUEST), "cores": os.cpu_count(),
-              "pythonmalloc": a.pythonmalloc or "default (pymalloc)"}
-    limits = {"added_p50_ms": {"max": 3.0}, "throughput_ratio": {"min": 0.4}, "hold_first_response_s": {"max": 5.0},
-              "hold_failed_count": {"max": 0}, "hold_rss_per_open_rollout_bytes": {"max": 32 * 1024}}
+    params = {
+        "quick": a.quick,
+        "latency_calls": a.latency_calls,
+        "concurrency": a.concurrency,
+        "calls_per_worker": a.calls_per_worker,
+        "rounds": a.rounds,
+        "rollouts": a.rollouts,
+        "phases": sorted(phases),
+        "request_bytes": len(REQUEST),
+        "cores": os.cpu_count(),
+        "pythonmalloc": a.pythonmalloc or "default (pymalloc)",
+    }
+    limits = {
+        "added_p50_ms": {"max": 3.0},
+        "throughput_ratio": {"min": 0.4},
+        "hold_first_response_s": {"max": 5.0},
+        "hold_failed_count": {"max": 0},
+        "hold_rss_per_open_rollout_bytes": {"max": 32 * 1024},
+    }
     targets = {key: target(results[key], **bound) for key, bound in limits.items() if key in results}
     emit("interception", params, results, targets)
 

@@ -38,12 +38,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import MIB, emit, progress, target  # noqa: E402
+import psutil
+import trio
 
-import psutil  # noqa: E402
-import trio  # noqa: E402
-
-from lowwater.runtime import RuntimeConfig, RuntimePool, SubprocessRuntime  # noqa: E402
+from _common import MIB, emit, progress, target
+from lowwater.runtime import RuntimeConfig, RuntimePool, SubprocessRuntime
 
 SCRIPT = Path(__file__).with_name("scoring_script.py")
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
@@ -53,7 +52,10 @@ MODELS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verificat
 def load_rollouts(n: int, data: Path) -> list[tuple[str, str, bool]]:
     """``(solution, reference, recorded is_correct)`` for the first ``n`` rollouts."""
     out: list[tuple[str, str, bool]] = []
-    with open(data / "example_model_solutions.jsonl", encoding="utf-8") as sols, open(data / "test.jsonl", encoding="utf-8") as refs:
+    with (
+        open(data / "example_model_solutions.jsonl", encoding="utf-8") as sols,
+        open(data / "test.jsonl", encoding="utf-8") as refs,
+    ):
         for sol_line, ref_line in zip(sols, refs):
             sol, ref = json.loads(sol_line), json.loads(ref_line)
             if sol["question"] != ref["question"]:
@@ -84,7 +86,9 @@ async def run_all(rollouts: list, concurrency: int, score_one) -> tuple[list[str
     return scores, time.perf_counter() - start
 
 
-async def cold_phase(rollouts: list, concurrency: int, processes: int, config: RuntimeConfig) -> tuple[list[str], float]:
+async def cold_phase(
+    rollouts: list, concurrency: int, processes: int, config: RuntimeConfig
+) -> tuple[list[str], float]:
     procs = trio.CapacityLimiter(processes)
 
     async def score(args: list[str]) -> str:
@@ -95,7 +99,9 @@ async def cold_phase(rollouts: list, concurrency: int, processes: int, config: R
     return await run_all(rollouts, concurrency, score)
 
 
-async def warm_phase(rollouts: list, concurrency: int, runtimes: int, config: RuntimeConfig) -> tuple[list[str], float, dict]:
+async def warm_phase(
+    rollouts: list, concurrency: int, runtimes: int, config: RuntimeConfig
+) -> tuple[list[str], float, dict]:
     extra: dict = {}
     start = time.perf_counter()
     pool = RuntimePool(max_size=runtimes)
@@ -172,8 +178,12 @@ def main() -> None:
         a.rollouts, a.concurrency = 24, 16
     results, targets = trio.run(bench, a)
     params = {
-        "quick": a.quick, "rollouts": a.rollouts, "concurrency": a.concurrency,
-        "cold_processes": a.cold_processes, "warm_runtimes": a.warm_runtimes, "cores": cores,
+        "quick": a.quick,
+        "rollouts": a.rollouts,
+        "concurrency": a.concurrency,
+        "cold_processes": a.cold_processes,
+        "warm_runtimes": a.warm_runtimes,
+        "cores": cores,
     }
     emit("scoring", params, results, targets)
 

@@ -26,9 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import MIB, emit, progress, rss_bytes, target  # noqa: E402
-
-import lowwater  # noqa: E402
+import lowwater
+from _common import MIB, emit, progress, rss_bytes, target
 
 
 class LockedDict:
@@ -89,6 +88,7 @@ def large_get(large_bytes: int, reps: int) -> dict[str, float]:
     fb = lowwater.FetchBuffer()
     fb.put("large", bytearray(large_bytes), dtype="uint8", shape=(large_bytes,))
     fb.put("small", bytes(1024), dtype="uint8", shape=(1024,))
+
     def view_latency_us(shard_id: str) -> float:
         t0 = time.perf_counter()
         v = fb.get(shard_id)
@@ -148,9 +148,19 @@ def rss_child(kind: str, total_bytes: int, shard_bytes: int) -> dict[str, float]
 
 def run_rss_child(kind: str, total_bytes: int, shard_bytes: int) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, __file__, "--_rss-child", kind, "--total-mib", str(total_bytes // MIB),
-         "--shard-mib", str(shard_bytes / MIB)],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            __file__,
+            "--_rss-child",
+            kind,
+            "--total-mib",
+            str(total_bytes // MIB),
+            "--shard-mib",
+            str(shard_bytes / MIB),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -213,8 +223,13 @@ def main() -> None:
         "rss_resting_over_baseline_mb": target(results["rss_resting_over_baseline_mb"], max=16.0),
     }
     params = {
-        "quick": a.quick, "small_bytes": a.small_bytes, "ops": a.ops, "rounds": a.rounds,
-        "large_mib": a.large_mib, "total_mib": a.total_mib, "shard_mib": a.shard_mib,
+        "quick": a.quick,
+        "small_bytes": a.small_bytes,
+        "ops": a.ops,
+        "rounds": a.rounds,
+        "large_mib": a.large_mib,
+        "total_mib": a.total_mib,
+        "shard_mib": a.shard_mib,
     }
     emit("tables", params, results, targets)
 

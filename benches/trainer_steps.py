@@ -33,10 +33,9 @@ import orjson
 import trio
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import MIB, emit, progress, rss_bytes, target  # noqa: E402
-
-from lowwater.asgi import serve  # noqa: E402
-from lowwater.trainer.shards import ShardConsumer, ShardRef, ShardStore, clear_batch  # noqa: E402
+from _common import MIB, emit, progress, rss_bytes, target
+from lowwater.asgi import serve
+from lowwater.trainer.shards import ShardConsumer, ShardRef, ShardStore, clear_batch
 
 
 async def consumer_main() -> None:
@@ -63,7 +62,11 @@ async def consumer_main() -> None:
 class Consumer:
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--_consumer"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+            [sys.executable, __file__, "--_consumer"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
         )
         first = orjson.loads(self.proc.stdout.readline())
         self.address = first["address"]
@@ -79,7 +82,9 @@ class Consumer:
         self.proc.wait(timeout=30)
 
 
-def make_step(store: ShardStore, step: int, groups: int, rollouts: int, seq: int, rng: np.random.Generator) -> list[ShardRef]:
+def make_step(
+    store: ShardStore, step: int, groups: int, rollouts: int, seq: int, rng: np.random.Generator
+) -> list[ShardRef]:
     refs = []
     for g in range(groups):
         prefix = f"step{step}/group{g}"
@@ -118,14 +123,18 @@ async def phase(drain: bool, a: argparse.Namespace) -> dict:
                     for c in consumers:
                         fetches.start_soon(c.ask, payload)
                 if drain:
-                    report = await clear_batch(refs, client=client, consumers=[c.address for c in consumers], local=store)
+                    report = await clear_batch(
+                        refs, client=client, consumers=[c.address for c in consumers], local=store
+                    )
                     assert report.leaked_bytes == 0, report
                 else:
                     store.remove(r.shard_id for r in refs)
                 for i, c in enumerate(consumers):
                     per_consumer[i].append((await c.ask({"rss": True}))["rss_bytes"])
                 if step % 50 == 0:
-                    progress(f"  {'drain' if drain else 'no drain'} step {step}: consumer RSS {[round(r[-1] / MIB, 1) for r in per_consumer]} MiB")
+                    progress(
+                        f"  {'drain' if drain else 'no drain'} step {step}: consumer RSS {[round(r[-1] / MIB, 1) for r in per_consumer]} MiB"
+                    )
             nursery.cancel_scope.cancel()
     finally:
         for c in consumers:
@@ -178,8 +187,18 @@ def main() -> None:
         # The bench can fail: without the drain, consumers grow by about a step's bytes.
         "no_drain_slope_to_step_bytes_ratio": target(results["no_drain_slope_to_step_bytes_ratio"], min=0.5),
     }
-    params = {"quick": a.quick, "steps": a.steps, "groups": a.groups, "rollouts": a.rollouts, "seq": a.seq, "consumers": a.consumers}
-    series = {"drain_rss_per_step_mb": with_drain["rss_per_step_mb"], "no_drain_rss_per_step_mb": without["rss_per_step_mb"]}
+    params = {
+        "quick": a.quick,
+        "steps": a.steps,
+        "groups": a.groups,
+        "rollouts": a.rollouts,
+        "seq": a.seq,
+        "consumers": a.consumers,
+    }
+    series = {
+        "drain_rss_per_step_mb": with_drain["rss_per_step_mb"],
+        "no_drain_rss_per_step_mb": without["rss_per_step_mb"],
+    }
     progress("per-consumer RSS per step (MiB): " + orjson.dumps(series).decode())
     emit("trainer_steps", params, results, targets)
 

@@ -53,13 +53,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import MIB, emit, progress, settle_and_sample, slope_bytes_per_rollout, target  # noqa: E402
-from _common import pid_rss_bytes as _rss  # noqa: E402
+import psutil
+import trio
 
-import psutil  # noqa: E402
-import trio  # noqa: E402
-
-from lowwater.workers import JobSpec, WorkerJob, WorkerPool  # noqa: E402
+from _common import MIB, emit, progress, settle_and_sample, slope_bytes_per_rollout, target
+from _common import pid_rss_bytes as _rss
+from lowwater.workers import JobSpec, WorkerJob, WorkerPool
 
 # Workers import this file by module name (they never import __main__).
 FACTORY = f"{Path(__file__).stem}:ChurnJob"
@@ -125,8 +124,13 @@ async def start_phase(method: str, n: int) -> dict[str, float]:
             mem[pid] = psutil.Process(pid).memory_full_info()
 
     pool = WorkerPool(
-        JobSpec(FACTORY, {"turns": 1, "image_kb": 1}), workers=n, concurrency_per_worker=1,
-        max_tasks_per_worker=None, start_method=method, on_event=on_event, heartbeat_s=0.2,
+        JobSpec(FACTORY, {"turns": 1, "image_kb": 1}),
+        workers=n,
+        concurrency_per_worker=1,
+        max_tasks_per_worker=None,
+        start_method=method,
+        on_event=on_event,
+        heartbeat_s=0.2,
     )
     await pool.run(["probe"] * n, on_rows)
     starts = sorted(f["start_s"] for f in ready)
@@ -155,10 +159,16 @@ async def churn_phase(a: argparse.Namespace, variant: str) -> dict[str, float]:
 
     pool = WorkerPool(
         JobSpec(FACTORY, {"turns": a.turns, "image_kb": a.image_kb, "turn_s": a.turn_s}),
-        workers=a.workers, concurrency_per_worker=a.concurrency, max_tasks_per_worker=None,
-        allocator_hygiene=hygiene, trim_at_quiescence=hygiene, gc_at_quiescence=hygiene,
+        workers=a.workers,
+        concurrency_per_worker=a.concurrency,
+        max_tasks_per_worker=None,
+        allocator_hygiene=hygiene,
+        trim_at_quiescence=hygiene,
+        gc_at_quiescence=hygiene,
         malloc_trim_threshold="off" if variant == "dynamic" else None,
-        heartbeat_s=0.05, trim_interval_s=0.05, on_event=on_event,
+        heartbeat_s=0.05,
+        trim_interval_s=0.05,
+        on_event=on_event,
     )
 
     async def on_rows(rows: list[dict], info: Any) -> None:
@@ -212,8 +222,10 @@ async def bench(a: argparse.Namespace) -> tuple[dict, dict]:
     cold = await start_phase("forkserver", a.start_workers)  # includes booting the forkserver
     fork = await start_phase("forkserver", a.start_workers)  # as recycled workers start
     spawn = await start_phase("spawn", a.start_workers)
-    progress(f"churn: {a.rollouts} rollouts x {a.turns} turns x {a.image_kb} KB images, "
-             f"{a.workers} workers x {a.concurrency}, with allocator hygiene")
+    progress(
+        f"churn: {a.rollouts} rollouts x {a.turns} turns x {a.image_kb} KB images, "
+        f"{a.workers} workers x {a.concurrency}, with allocator hygiene"
+    )
     good = await churn_phase(a, "hygiene")
     progress("churn: the same, glibc's trim (and dynamic mmap) threshold left alone")
     dynamic = await churn_phase(a, "dynamic")
@@ -235,7 +247,9 @@ async def bench(a: argparse.Namespace) -> tuple[dict, dict]:
     }
     results["bare_vs_hygiene_rollouts_ratio"] = bare["rollouts_per_s"] / good["rollouts_per_s"]
     results["dynamic_vs_hygiene_rollouts_ratio"] = dynamic["rollouts_per_s"] / good["rollouts_per_s"]
-    results["peak_over_live_set_ratio"] = good["peak_over_baseline_mb"] / good["live_set_mb"] if good["live_set_mb"] else 0.0
+    results["peak_over_live_set_ratio"] = (
+        good["peak_over_baseline_mb"] / good["live_set_mb"] if good["live_set_mb"] else 0.0
+    )
     targets = {
         "peak_over_live_set_ratio": target(results["peak_over_live_set_ratio"], max=3.0),
         "resting_over_baseline_mb": target(results["resting_over_baseline_mb"], max=16.0),
@@ -260,8 +274,14 @@ def main() -> None:
         a.rollouts, a.turns, a.image_kb, a.sample_every, a.start_workers = 24, 6, 32, 4, 2
     results, targets = trio.run(bench, a)
     params = {
-        "quick": a.quick, "workers": a.workers, "concurrency": a.concurrency, "turns": a.turns,
-        "image_kb": a.image_kb, "turn_s": a.turn_s, "rollouts": a.rollouts, "sample_every": a.sample_every,
+        "quick": a.quick,
+        "workers": a.workers,
+        "concurrency": a.concurrency,
+        "turns": a.turns,
+        "image_kb": a.image_kb,
+        "turn_s": a.turn_s,
+        "rollouts": a.rollouts,
+        "sample_every": a.sample_every,
         "start_workers": a.start_workers,
     }
     emit("workers", params, results, targets)

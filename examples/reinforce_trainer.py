@@ -62,7 +62,7 @@ def consumer_process(conn: Any) -> None:
                 loss, tokens = 0.0, 0
                 for g in range(0, len(views), 6):  # six shards per group, SHARD_NAMES order
                     ids, logprobs, mask, offsets, _rewards, advantages = (
-                        np.frombuffer(v, v.dtype) for v in views[g:g + 6]
+                        np.frombuffer(v, v.dtype) for v in views[g : g + 6]
                     )
                     for i, advantage in enumerate(advantages):
                         lo, hi = int(offsets[i]), int(offsets[i + 1])
@@ -83,11 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=4, help="groups per step")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--consumers", type=int, default=2)
-    parser.add_argument("--workers", type=int, default=0, help="env worker processes for the rollouts (default 0: in this process)")
+    parser.add_argument(
+        "--workers", type=int, default=0, help="env worker processes for the rollouts (default 0: in this process)"
+    )
     args = parser.parse_args(argv)
 
-    from lowwater.trainer import SyncLowwater, TrainerConfig
     from lowwater.memory import rss_bytes
+    from lowwater.trainer import SyncLowwater, TrainerConfig
 
     ctx = mp.get_context("spawn")  # no fork of a process with a Trio thread
     pipes, procs = [], []
@@ -100,12 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     addresses = [p.recv() for p in pipes]
     leaked = False
     try:
-        with SyncLowwater(TrainerConfig(group_size=args.group_size, concurrency=args.groups, workers=args.workers)) as lw:
+        with SyncLowwater(
+            TrainerConfig(group_size=args.group_size, concurrency=args.groups, workers=args.workers)
+        ) as lw:
             for step in range(args.steps):
                 batch = lw.next_batch(args.groups)
-                groups = [list(batch.refs[i:i + 6]) for i in range(0, len(batch.refs), 6)]
+                groups = [list(batch.refs[i : i + 6]) for i in range(0, len(batch.refs), 6)]
                 for rank, pipe in enumerate(pipes):
-                    pipe.send([r.to_json() for g in groups[rank::len(pipes)] for r in g])
+                    pipe.send([r.to_json() for g in groups[rank :: len(pipes)] for r in g])
                 results = [p.recv() for p in pipes]
                 report = lw.clear_batch(batch, consumers=addresses)
                 stats = []

@@ -11,19 +11,34 @@ from pathlib import Path
 import pytest
 
 BENCHES = Path(__file__).resolve().parent.parent / "benches"
-UNIT_SUFFIXES = ("_bytes", "_mb", "_s", "_ms", "_us", "_per_s", "_ratio", "_count", "_bytes_per_step", "_bytes_per_rollout")
+UNIT_SUFFIXES = (
+    "_bytes",
+    "_mb",
+    "_s",
+    "_ms",
+    "_us",
+    "_per_s",
+    "_ratio",
+    "_count",
+    "_bytes_per_step",
+    "_bytes_per_rollout",
+)
 
 
 def run_quick(name: str) -> dict:
     out = subprocess.run(
         [sys.executable, str(BENCHES / f"{name}.py"), "--quick"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", ["tables", "trainer_steps", "scoring", "interception", "workers", "churn", "eval_gsm8k"])
+@pytest.mark.parametrize(
+    "name", ["tables", "trainer_steps", "scoring", "interception", "workers", "churn", "eval_gsm8k"]
+)
 def test_quick_run_prints_benchmark_json(name):
     if name == "eval_gsm8k" and not (BENCHES.parents[1] / "shared" / "data" / "gsm8k" / "test.jsonl").is_file():
         pytest.skip("../shared/data/gsm8k not present")

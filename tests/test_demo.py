@@ -6,7 +6,25 @@ from lowwater.cli import main
 
 
 def test_demo_ends_with_both_tables_empty(capsys):
-    assert main(["demo", "--steps", "2", "--rollouts", "3", "--turns", "4", "--image-kb", "8", "--seq-len", "4096", "--json"]) == 0
+    assert (
+        main(
+            [
+                "demo",
+                "--steps",
+                "2",
+                "--rollouts",
+                "3",
+                "--turns",
+                "4",
+                "--image-kb",
+                "8",
+                "--seq-len",
+                "4096",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["low_water"] is True
     it, fb = out["intercept_table"], out["fetch_buffer"]

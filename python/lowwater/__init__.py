@@ -28,6 +28,6 @@ __all__ = [
 
 # Round one's flat module paths (lowwater.embedding, lowwater.model, ...)
 # still import, with a DeprecationWarning, for one release.
-from lowwater import _moved  # noqa: E402  (after the public names, which it does not touch)
+from lowwater import _moved
 
 _moved.install()

@@ -36,8 +36,11 @@ class _Alias(importlib.abc.Loader):
         self.new = new
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        warnings.warn(f"{spec.name} moved to {self.new}; the old path goes away in the next release",
-                      DeprecationWarning, stacklevel=4)
+        warnings.warn(
+            f"{spec.name} moved to {self.new}; the old path goes away in the next release",
+            DeprecationWarning,
+            stacklevel=4,
+        )
         module = importlib.import_module(self.new)
         return module
 

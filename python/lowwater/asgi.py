@@ -94,7 +94,9 @@ async def lifespan(receive: Receive, send: Send) -> None:
             return
 
 
-async def handle(scope: Scope, receive: Receive, send: Send, route: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+async def handle(
+    scope: Scope, receive: Receive, send: Send, route: Callable[[Scope, Receive, Send], Awaitable[None]]
+) -> None:
     """Run ``route`` for an HTTP request; answer lifespan; turn :class:`HTTPError` into its response."""
     if scope["type"] == "lifespan":
         return await lifespan(receive, send)

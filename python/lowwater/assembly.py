@@ -72,8 +72,12 @@ class EngineConfig:
 
 @asynccontextmanager
 async def open_engine(
-    config: EngineConfig, env: Environment, plugins: plugins_mod.Plugins, upstream_url: str,
-    *, request_logprobs: bool = False,
+    config: EngineConfig,
+    env: Environment,
+    plugins: plugins_mod.Plugins,
+    upstream_url: str,
+    *,
+    request_logprobs: bool = False,
 ) -> AsyncIterator[tuple[Engine, Any]]:
     """An :class:`Engine` for ``env`` with its interception server running.
 
@@ -90,19 +94,29 @@ async def open_engine(
     pool = None
     try:
         async with ModelClient(upstream_url, api_key=config.model.api_key) as client:
-            server = InterceptionServer(client, protocols=list(plugins.protocols.values()) or None,
-                                        request_logprobs=request_logprobs)
-            async with trio.open_nursery() as services, \
-                    AgentClient(max_idle=config.concurrency, timeout_s=config.timeout_s) as http:
+            server = InterceptionServer(
+                client, protocols=list(plugins.protocols.values()) or None, request_logprobs=request_logprobs
+            )
+            async with (
+                trio.open_nursery() as services,
+                AgentClient(max_idle=config.concurrency, timeout_s=config.timeout_s) as http,
+            ):
                 await services.start(server.run)
                 if config.persistent:
                     from lowwater.runtime import RuntimePool
 
                     pool = RuntimePool(plugins.runtimes, max_size=pool_size(config.concurrency))
                 engine = Engine(
-                    env, server, plugins, http,
-                    harness=config.harness, model=config.model.name, max_turns=config.max_turns,
-                    deadlines=Deadlines(rollout_s=config.timeout_s), runtime_config=_runtime_config(config), pool=pool,
+                    env,
+                    server,
+                    plugins,
+                    http,
+                    harness=config.harness,
+                    model=config.model.name,
+                    max_turns=config.max_turns,
+                    deadlines=Deadlines(rollout_s=config.timeout_s),
+                    runtime_config=_runtime_config(config),
+                    pool=pool,
                 )
                 yield engine, server
                 services.cancel_scope.cancel()
@@ -175,8 +189,12 @@ class EngineJob(WorkerJob):
 
     async def _hold(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
-            async with self.resources(), open_engine(self.config, self.env, self.plugins, self.upstream_url,
-                                                     request_logprobs=self.request_logprobs) as (engine, server):
+            async with (
+                self.resources(),
+                open_engine(
+                    self.config, self.env, self.plugins, self.upstream_url, request_logprobs=self.request_logprobs
+                ) as (engine, server),
+            ):
                 self.engine, self.server = engine, server
                 task_status.started()
                 await self._stop.wait()
@@ -199,9 +217,14 @@ class EngineJob(WorkerJob):
     async def tick(self, stats: dict[str, Any]) -> None:
         if self.engine is None:
             return
-        await self.plugins.fire("worker_tick", stats={
-            **stats, "intercepts": self.server.table.stats(), "intercept_table": self.server.table,
-        })
+        await self.plugins.fire(
+            "worker_tick",
+            stats={
+                **stats,
+                "intercepts": self.server.table.stats(),
+                "intercept_table": self.server.table,
+            },
+        )
 
     async def teardown(self) -> None:
         if self.engine is not None:

@@ -219,11 +219,22 @@ class Plugins:
         """Await every implementation of lifecycle ``hook``, then every cleanup
         policy's method of that name.
 
-        Hook implementations run first, concurrently, so a ``group_end`` hook
-        still reads the group's trajectories before the eviction policy drops
-        them; policies then run concurrently.  An exception in one is logged
-        with its name and does not stop the others: a failing metrics plugin
-        must not skip eviction.
+        Hook implementations run first, concurrently, then policies,
+        concurrently (the engine calls the halves, :meth:`fire_hooks` and
+        :meth:`fire_policies`, with its eviction between).  An exception in
+        one is logged with its name and does not stop the others: a failing
+        metrics plugin must not skip a cleanup policy.
+        """
+        await self.fire_hooks(hook, **kwargs)
+        await self.fire_policies(hook, **kwargs)
+
+    async def fire_hooks(self, hook: str, **kwargs: Any) -> None:
+        """The first half of :meth:`fire`: the plugins' implementations only.
+        The engine evicts between the halves, so hooks still read a rollout's
+        trajectory and policies (``malloc-trim``) run after it is freed.
+
+        Raises:
+            PluginError: ``hook`` is not a lifecycle hook.
         """
         if hook not in hookspecs.ASYNC_HOOKS:
             raise PluginError(f"{hook!r} is not a lifecycle hook")
@@ -232,6 +243,15 @@ class Plugins:
             for impl in reversed(getattr(self.pm.hook, hook).get_hookimpls())
         ]
         await _run_all([(name, fn, {k: kwargs[k] for k in argnames}) for name, fn, argnames in impls])
+
+    async def fire_policies(self, hook: str, **kwargs: Any) -> None:
+        """The second half of :meth:`fire`: every cleanup policy's method named ``hook``.
+
+        Raises:
+            PluginError: ``hook`` is not a lifecycle hook.
+        """
+        if hook not in hookspecs.ASYNC_HOOKS:
+            raise PluginError(f"{hook!r} is not a lifecycle hook")
         policies = [
             (name, getattr(policy, hook), kwargs)
             for name, policy in self.cleanup_policies.items()

@@ -93,7 +93,9 @@ def classify(exc: BaseException) -> RolloutError:
         return RolloutError("model", message)
     # Provisioning failures and crashed warm workers are the infrastructure's
     # fault, not the environment's: they are retried under the infra budget.
-    runtime_errors = tuple(getattr(runtime_base, n) for n in ("RuntimeStartError", "WarmWorkerCrashed") if hasattr(runtime_base, n))
+    runtime_errors = tuple(
+        getattr(runtime_base, n) for n in ("RuntimeStartError", "WarmWorkerCrashed") if hasattr(runtime_base, n)
+    )
     if runtime_errors and isinstance(exc, runtime_errors):
         return RolloutError("infra", message)
     if isinstance(exc, OSError):
@@ -282,7 +284,9 @@ class Engine:
 
     # -- public -----------------------------------------------------------------
 
-    async def run_rollout(self, task: Task, *, on_result: ResultSink | None = None, rollout_id: str | None = None) -> Rollout:
+    async def run_rollout(
+        self, task: Task, *, on_result: ResultSink | None = None, rollout_id: str | None = None
+    ) -> Rollout:
         """Run one ungrouped rollout of ``task`` to the end (with retries).
 
         ``on_result`` is awaited with the finished rollout (success or
@@ -326,7 +330,9 @@ class Engine:
         if n < 1:
             raise ValueError(f"group size must be >= 1, not {n}")
         group_id = group_id or _new_id("g")
-        group = Group(group_id, task, [self._new_rollout(f"{group_id}-{i}", task, group_id) for i in range(n)], self.registry)
+        group = Group(
+            group_id, task, [self._new_rollout(f"{group_id}-{i}", task, group_id) for i in range(n)], self.registry
+        )
         try:
             async with trio.open_nursery() as nursery:
                 for rollout in group.rollouts:
@@ -381,7 +387,9 @@ class Engine:
             return
         if len(rewards) != len(group.rollouts):
             for rollout in scored:
-                rollout.error = RolloutError("environment", f"group reward returned {len(rewards)} values for {len(group.rollouts)} rollouts")
+                rollout.error = RolloutError(
+                    "environment", f"group reward returned {len(rewards)} values for {len(group.rollouts)} rollouts"
+                )
             return
         for rollout, reward in zip(group.rollouts, rewards, strict=True):
             if rollout.error is None:
@@ -395,7 +403,12 @@ class Engine:
                 await self._attempt(rollout)
                 if rollout.error is None or not self.retry.allows(rollout.error, rollout.attempt):
                     return
-                log.info("rollout %s attempt %d failed (%s); retrying", rollout.rollout_id, rollout.attempt, rollout.error.cls)
+                log.info(
+                    "rollout %s attempt %d failed (%s); retrying",
+                    rollout.rollout_id,
+                    rollout.attempt,
+                    rollout.error.cls,
+                )
                 self.registry.discard(rollout.rollout_id)
                 rollout.attempt += 1
                 rollout.error = None
@@ -441,7 +454,9 @@ class Engine:
         rollout.state["_slot"] = slot
         rollout.timing["setup_s"] = time.perf_counter() - start
 
-    async def _phase(self, rollout: Rollout, key: str, deadline: float | None, fn: Callable[[Rollout], Awaitable[None]]) -> None:
+    async def _phase(
+        self, rollout: Rollout, key: str, deadline: float | None, fn: Callable[[Rollout], Awaitable[None]]
+    ) -> None:
         start = time.perf_counter()
         try:
             with _fail_after(deadline):

@@ -53,7 +53,14 @@ def test_third_party_registries_and_periodic_hooks():
     assert p.protocols["acme.chat"].path == "/v1/acme"
     assert "acme-sandbox" in p.runtimes and "acme-drain" in p.cleanup_policies
     info = next(i for i in p.infos if i.name == "acme")
-    assert set(info.hooks) == {"register_protocols", "register_runtimes", "register_cleanup_policies", "step_end", "worker_tick", "shutdown"}
+    assert set(info.hooks) == {
+        "register_protocols",
+        "register_runtimes",
+        "register_cleanup_policies",
+        "step_end",
+        "worker_tick",
+        "shutdown",
+    }
 
     async def main():
         await p.fire("step_end", step=3, shard_ids=["a", "b"])

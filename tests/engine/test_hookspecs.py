@@ -11,8 +11,7 @@ from lowwater import hookspecs
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = sorted(
-    name for name, fn in vars(hookspecs).items()
-    if callable(fn) and hasattr(fn, f"{hookspecs.PROJECT}_spec")
+    name for name, fn in vars(hookspecs).items() if callable(fn) and hasattr(fn, f"{hookspecs.PROJECT}_spec")
 )
 
 

@@ -67,7 +67,7 @@ def test_success_records_turns_scores_and_evicts():
     engine, env, interceptor, recorder = make_engine(["ok"])
     rollout, rows = run_one(engine, env)
     assert rollout.error is None and rollout.reward == 1.0 and rollout.turn_count == 1
-    (row, had_trajectory), = rows
+    ((row, had_trajectory),) = rows
     assert had_trajectory and row["reward"] == 1.0 and row["error"] is None and row["turns"] == 1
     assert set(row["timing"]) >= {"setup_s", "agent_s", "scoring_s", "cleanup_s", "total_s"}
     assert recorder.events == [("start", rollout.rollout_id), ("end", rollout.rollout_id)]

@@ -7,8 +7,9 @@ from hypothesis import strategies as st
 
 from lowwater.trajectory import Trajectory
 
-message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool"]),
-                                 "content": st.text(max_size=3)})
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "tool"]), "content": st.text(max_size=3)}
+)
 
 
 @st.composite
@@ -25,7 +26,7 @@ def histories(draw):
             history = history[: draw(st.integers(0, len(history)))]
         elif op == "rewrite" and history:
             i = draw(st.integers(0, len(history) - 1))
-            history = [*history[:i], draw(message), *history[i + 1:]]
+            history = [*history[:i], draw(message), *history[i + 1 :]]
         elif op == "window" and history:
             history = [*history[1:], draw(message)]
         out.append([dict(m) for m in history])  # parsed afresh per request, as the proxy does

@@ -23,7 +23,9 @@ needs_gsm8k = pytest.mark.skipif(not (GSM8K / "test.jsonl").is_file(), reason=".
 
 
 def lowwater(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "lowwater", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "lowwater", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def wait_for_lines(path: Path, lines: int, timeout_s: float = 120) -> None:
@@ -49,7 +51,14 @@ def test_embedded_default_in_process(tmp_path):
     assert s["rollouts"] == 6 and s["completed"] == 6 and s["errors"] == 0
     assert s["accuracy"] == 1.0 and s["turns_mean"] > 2  # several calculator turns each
     # Every per-rollout structure ended empty: registry, intercept table, runtimes.
-    assert report.leftovers == {"in_flight": 0, "runtimes": 0, "trajectories": 0, "groups": 0, "turns": 0, "intercepts": 0}
+    assert report.leftovers == {
+        "in_flight": 0,
+        "runtimes": 0,
+        "trajectories": 0,
+        "groups": 0,
+        "turns": 0,
+        "intercepts": 0,
+    }
     rows = rows_of(config.out)
     assert sorted(r["task_id"] for r in rows) == list(range(6))
     assert all(r["metrics"]["correct"] and r["turns"] >= 3 for r in rows)
@@ -65,7 +74,9 @@ def test_groups_write_a_row_per_member(tmp_path):
 
 
 def test_cli_writes_summary_json_and_memory_plot(tmp_path):
-    out = lowwater("eval", "-n", "4", "--out", "r.jsonl", "--summary-json", "s.json", "--memory-plot", "m.png", cwd=tmp_path)
+    out = lowwater(
+        "eval", "-n", "4", "--out", "r.jsonl", "--summary-json", "s.json", "--memory-plot", "m.png", cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr
     summary = orjson.loads((tmp_path / "s.json").read_bytes())
     assert tuple(summary) == SUMMARY_KEYS and summary["completed"] == 4
@@ -110,8 +121,13 @@ def test_existing_results_are_not_overwritten(tmp_path):
 def test_resume_after_sigkill_has_one_row_per_task(tmp_path):
     out = tmp_path / "r.jsonl"
     n = 40
-    proc = subprocess.Popen([sys.executable, "-m", "lowwater", "eval", "-n", str(n), "-c", "2", "--out", str(out), "--no-progress"],
-                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lowwater", "eval", "-n", str(n), "-c", "2", "--out", str(out), "--no-progress"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         wait_for_lines(out, 4)
         os.killpg(proc.pid, signal.SIGKILL)  # the eval and its serve-model child
@@ -122,7 +138,9 @@ def test_resume_after_sigkill_has_one_row_per_task(tmp_path):
     # Simulate the worst case too: a torn last line.
     with open(out, "ab") as f:
         f.write(b'{"task_id": 99, "rollout_id": "r-torn", "rew')
-    done = lowwater("eval", "-n", str(n), "-c", "4", "--out", "r.jsonl", "--resume", "--summary-json", "s.json", cwd=tmp_path)
+    done = lowwater(
+        "eval", "-n", str(n), "-c", "4", "--out", "r.jsonl", "--resume", "--summary-json", "s.json", cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     rows = rows_of(out)
     assert sorted(r["task_id"] for r in rows) == list(range(n))  # no loss, no duplicates
@@ -134,8 +152,14 @@ def test_resume_after_sigkill_has_one_row_per_task(tmp_path):
 def test_gsm8k_replay_matches_recorded_labels(tmp_path, harness, n):
     column = "175b_verification"
     config = EvalConfig(
-        env="gsm8k", env_options={"data": str(GSM8K / "test.jsonl")}, rollouts=n, concurrency=8, harness=harness,
-        model=ModelSpec("replay", f"replay-{column}", replay_path=GSM8K / "example_model_solutions.jsonl", replay_column=column),
+        env="gsm8k",
+        env_options={"data": str(GSM8K / "test.jsonl")},
+        rollouts=n,
+        concurrency=8,
+        harness=harness,
+        model=ModelSpec(
+            "replay", f"replay-{column}", replay_path=GSM8K / "example_model_solutions.jsonl", replay_column=column
+        ),
         out=tmp_path / "g.jsonl",
     )
     from lowwater.plugins import load
@@ -164,8 +188,14 @@ def test_gsm8k_in_workers_looks_tasks_up_by_id(tmp_path):
     column = "6b_verification"
     n = 24
     config = EvalConfig(
-        env="gsm8k", env_options={"data": str(GSM8K / "test.jsonl")}, rollouts=n, concurrency=8, workers=2,
-        model=ModelSpec("replay", f"replay-{column}", replay_path=GSM8K / "example_model_solutions.jsonl", replay_column=column),
+        env="gsm8k",
+        env_options={"data": str(GSM8K / "test.jsonl")},
+        rollouts=n,
+        concurrency=8,
+        workers=2,
+        model=ModelSpec(
+            "replay", f"replay-{column}", replay_path=GSM8K / "example_model_solutions.jsonl", replay_column=column
+        ),
         out=tmp_path / "w.jsonl",
     )
     from lowwater.plugins import load
@@ -209,8 +239,21 @@ def test_signal_cancels_the_run_and_resume_completes_it(tmp_path, signum, worker
     the cancelled and unstarted tasks, one row per task."""
     out = tmp_path / "r.jsonl"
     n = 60
-    argv = [sys.executable, "-m", "lowwater", "eval", "-n", str(n), "-c", "2", "--out", str(out), "--no-progress",
-            "--workers", str(workers)]
+    argv = [
+        sys.executable,
+        "-m",
+        "lowwater",
+        "eval",
+        "-n",
+        str(n),
+        "-c",
+        "2",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--workers",
+        str(workers),
+    ]
     proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_lines(out, 4)
@@ -224,8 +267,9 @@ def test_signal_cancels_the_run_and_resume_completes_it(tmp_path, signum, worker
     lines = out.read_bytes().splitlines()
     rows = [orjson.loads(line) for line in lines[1:]]  # every line parses: nothing torn
     assert 3 <= len(rows) < n, "the signal should land mid-run"
-    done = lowwater("eval", "-n", str(n), "-c", "4", "--out", "r.jsonl", "--resume", "--workers", str(workers),
-                    cwd=tmp_path)
+    done = lowwater(
+        "eval", "-n", str(n), "-c", "4", "--out", "r.jsonl", "--resume", "--workers", str(workers), cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     assert sorted(r["task_id"] for r in rows_of(out)) == list(range(n))
     assert all(r.get("error") is None for r in rows_of(out))

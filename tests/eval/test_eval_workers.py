@@ -64,9 +64,27 @@ def test_sigkill_of_a_worker_mid_eval_leaves_one_row_per_task(tmp_path):
     out = tmp_path / "k.jsonl"
     n = 160
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lowwater", "eval", "-n", str(n), "--env-option", f"size={n}", "-c", "16", "--workers", "2",
-         "--no-progress", "--out", str(out)],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "lowwater",
+            "eval",
+            "-n",
+            str(n),
+            "--env-option",
+            f"size={n}",
+            "-c",
+            "16",
+            "--workers",
+            "2",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         parent = psutil.Process(proc.pid)

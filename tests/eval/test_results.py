@@ -12,8 +12,15 @@ HEADER = {"type": "lowwater.eval.header", "run_id": "run1", "env": "arithmetic"}
 
 
 def row(task_id, error=None, attempts=1, rollout="r"):
-    return {"task_id": task_id, "rollout_id": f"{rollout}{task_id}", "reward": 1.0 if error is None else None,
-            "error": error, "attempts": attempts, "metrics": {}, "turns": 1}
+    return {
+        "task_id": task_id,
+        "rollout_id": f"{rollout}{task_id}",
+        "reward": 1.0 if error is None else None,
+        "error": error,
+        "attempts": attempts,
+        "metrics": {},
+        "turns": 1,
+    }
 
 
 def write(path, objs, torn=b""):

@@ -13,8 +13,8 @@ import trio.testing
 
 from lowwater.asgi import serve
 from lowwater.interception import InterceptionServer
-from lowwater.upstream.client import ModelClient
 from lowwater.trajectory import Trajectory
+from lowwater.upstream.client import ModelClient
 
 from .upstream import Upstream
 
@@ -37,7 +37,9 @@ class Harness:
         trajectory = Trajectory(rollout_id)
         return self.server.register(trajectory), trajectory
 
-    async def call(self, slot: Any, kind: str, body: dict[str, Any], *, auth: str = "bearer", **kw: Any) -> httpx.Response:
+    async def call(
+        self, slot: Any, kind: str, body: dict[str, Any], *, auth: str = "bearer", **kw: Any
+    ) -> httpx.Response:
         """POST ``body`` to the slot (non-streamed read) with the slot's secret."""
         headers = {"authorization": f"Bearer {slot.secret}"} if auth == "bearer" else {"x-api-key": slot.secret}
         return await self.http.post(slot.base_url + PATHS[kind].removeprefix("/v1"), json=body, headers=headers, **kw)
@@ -58,8 +60,15 @@ class Harness:
         assert stats["waiting_handlers"] == 0, stats
 
 
-def body(kind: str, text: str = "what is 2 plus 2", *, stream: bool = False, history: list[Any] | None = None,
-         model: str = "m", **extra: Any) -> dict[str, Any]:
+def body(
+    kind: str,
+    text: str = "what is 2 plus 2",
+    *,
+    stream: bool = False,
+    history: list[Any] | None = None,
+    model: str = "m",
+    **extra: Any,
+) -> dict[str, Any]:
     """A minimal valid request of ``kind`` whose last user message is ``text``."""
     messages = [*(history or []), {"role": "user", "content": text}]
     if kind == "chat":

@@ -14,8 +14,8 @@ import httpx
 import pytest
 import trio
 
-from lowwater.upstream.agent_client import AgentClient
 from lowwater.asgi import serve
+from lowwater.upstream.agent_client import AgentClient
 
 from .upstream import Upstream
 

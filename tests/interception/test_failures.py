@@ -83,7 +83,8 @@ def test_unregister_mid_stream_breaks_the_stream_at_once(kind):
         h.upstream.hang_after = 3  # a few events, then silence
         slot, trajectory = h.open("r")
         status, received, error = await stream_call(
-            h, slot, kind, body(kind, stream=True), until_bytes=1, then=lambda: h.server.unregister("r"))
+            h, slot, kind, body(kind, stream=True), until_bytes=1, then=lambda: h.server.unregister("r")
+        )
         assert status == 200
         assert isinstance(error, httpx.RemoteProtocolError)  # the body never ends cleanly
         assert b"rollout r was closed during the call" in received
@@ -237,8 +238,9 @@ def test_client_disconnect_mid_stream_cancels_the_upstream(kind):
         h.upstream.hang_after = 3
         slot, trajectory = h.open()
         url = slot.base_url + PATHS[kind].removeprefix("/v1")
-        async with h.http.stream("POST", url, json=body(kind, stream=True),
-                                 headers={"authorization": f"Bearer {slot.secret}"}) as r:
+        async with h.http.stream(
+            "POST", url, json=body(kind, stream=True), headers={"authorization": f"Bearer {slot.secret}"}
+        ) as r:
             async for _ in r.aiter_raw():
                 break  # the agent gives up after the first bytes
         await until(lambda: h.upstream.disconnects == 1)
@@ -271,7 +273,7 @@ def test_truncated_body_leaves_nothing_behind():
         stream = await trio.open_tcp_stream(host, int(port))
         await stream.send_all(
             b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"authorization: Bearer " + slot.secret.encode() + b"\r\ncontent-length: 1000\r\n\r\n{\"model\": \"m\""
+            b"authorization: Bearer " + slot.secret.encode() + b'\r\ncontent-length: 1000\r\n\r\n{"model": "m"'
         )
         await trio.testing.wait_all_tasks_blocked()
         await stream.aclose()

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from lowwater.asgi import serve
 from lowwater.interception import InterceptionServer
-from lowwater.upstream.client import ModelClient
 from lowwater.testing.background import BackgroundTrio
 from lowwater.testing.strategies import malformed_bodies, request_bodies
 from lowwater.trajectory import Trajectory
+from lowwater.upstream.client import ModelClient
 
 from .upstream import Upstream
 

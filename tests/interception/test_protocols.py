@@ -20,11 +20,18 @@ def feed_all(protocol, events: list[bytes]):
 
 
 @pytest.mark.parametrize("tool", [False, True])
-@pytest.mark.parametrize("kind,protocol", [("chat", OpenAIChat()), ("responses", OpenAIResponses()),
-                                           ("messages", AnthropicMessages())])
+@pytest.mark.parametrize(
+    "kind,protocol", [("chat", OpenAIChat()), ("responses", OpenAIResponses()), ("messages", AnthropicMessages())]
+)
 def test_stream_accumulates_to_what_the_whole_answer_says(kind, protocol, tool):
-    request = {"model": "m", "messages": [{"role": "user", "content": "a b c"}], "input": "a b c",
-               "logprobs": True, "return_token_ids": True, "include": ["message.output_text.logprobs"]}
+    request = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "a b c"}],
+        "input": "a b c",
+        "logprobs": True,
+        "return_token_ids": True,
+        "include": ["message.output_text.logprobs"],
+    }
     answer = _Answer(kind, request, tool)
     whole = protocol.completion(orjson.loads(orjson.dumps(answer.body())))
     streamed, terminal = feed_all(protocol, answer.events())
@@ -51,7 +58,9 @@ def test_token_ids_from_token_strings_and_text_tokens():
     assert done.token_ids == [1, 2] and done.logprobs is None
 
 
-@pytest.mark.parametrize("answer", [None, [], "x", {"choices": "x"}, {"choices": [None]}, {"choices": [{"logprobs": 3}]}])
+@pytest.mark.parametrize(
+    "answer", [None, [], "x", {"choices": "x"}, {"choices": [None]}, {"choices": [{"logprobs": 3}]}]
+)
 def test_odd_answers_do_not_crash(answer):
     for protocol in (OpenAIChat(), OpenAIResponses(), AnthropicMessages()):
         protocol.completion(answer)
@@ -60,7 +69,9 @@ def test_odd_answers_do_not_crash(answer):
 def test_upstream_errors_inside_streams_are_recorded():
     chat, _ = feed_all(OpenAIChat(), [b'data: {"error": {"message": "overloaded"}}\n\n'])
     assert chat.error == "overloaded"
-    msgs, _ = feed_all(AnthropicMessages(), [b'event: error\ndata: {"type": "error", "error": {"message": "busy"}}\n\n'])
+    msgs, _ = feed_all(
+        AnthropicMessages(), [b'event: error\ndata: {"type": "error", "error": {"message": "busy"}}\n\n']
+    )
     assert msgs.error == "busy"
     failed = b'event: response.failed\ndata: {"type": "response.failed", "response": {"status": "failed", "error": {"message": "boom"}}}\n\n'
     resp, terminal = feed_all(OpenAIResponses(), [failed])
@@ -80,7 +91,9 @@ def test_upstream_body_rewrites_only_when_needed():
     assert chat.upstream_body(body, model="n", logprobs=False) == {"model": "n", "messages": []}
     assert chat.upstream_body(body, model=None, logprobs=True) == {**body, "logprobs": True, "return_token_ids": True}
     assert resp.upstream_body({"model": "m", "include": ["x"]}, model=None, logprobs=True)["include"] == [
-        "x", "message.output_text.logprobs"]
+        "x",
+        "message.output_text.logprobs",
+    ]
     assert msgs.upstream_body(body, model=None, logprobs=True) is None
     assert body == {"model": "m", "messages": []}  # never mutated
 
@@ -90,11 +103,14 @@ def test_responses_string_input_is_one_user_message():
     assert request.messages == [{"role": "user", "content": "hi"}] and request.stream
 
 
-@pytest.mark.parametrize("body,reason", [
-    ({"model": "m", "input": 3}, "'input' must be a string or a non-empty list"),
-    ({"model": "m", "input": []}, "'input' must be a string or a non-empty list"),
-    ({"model": "m"}, "missing field 'input'"),
-])
+@pytest.mark.parametrize(
+    "body,reason",
+    [
+        ({"model": "m", "input": 3}, "'input' must be a string or a non-empty list"),
+        ({"model": "m", "input": []}, "'input' must be a string or a non-empty list"),
+        ({"model": "m"}, "missing field 'input'"),
+    ],
+)
 def test_responses_validation(body, reason):
     with pytest.raises(HTTPError) as info:
         OpenAIResponses().parse(body)
@@ -103,12 +119,16 @@ def test_responses_validation(body, reason):
 
 def test_anthropic_system_must_be_text():
     with pytest.raises(HTTPError, match="'system'"):
-        AnthropicMessages().parse({"model": "m", "max_tokens": 5, "system": 3, "messages": [{"role": "user", "content": "x"}]})
+        AnthropicMessages().parse(
+            {"model": "m", "max_tokens": 5, "system": 3, "messages": [{"role": "user", "content": "x"}]}
+        )
 
 
 def test_error_shapes():
     assert OpenAIChat().error_body(401, "no")["error"]["type"] == "authentication_error"
     assert AnthropicMessages().error_body(413, "big") == {
-        "type": "error", "error": {"type": "request_too_large", "message": "big"}}
+        "type": "error",
+        "error": {"type": "request_too_large", "message": "big"},
+    }
     assert AnthropicMessages().error_event("cut").startswith(b"event: error\ndata: ")
     assert b'"error":{"message":"cut"' in OpenAIChat().error_event("cut")

@@ -40,10 +40,15 @@ def test_flags_are_validated(tmp_path):
     assert config.admin_key == "s3cret" and config.host == "0.0.0.0"
     assert config_from_args(args(tmp_path, "--listen", "[::1]:5"), {}).host == "::1"
     assert config_from_args(args(tmp_path, "--listen", "localhost:5"), {}).host == "localhost"
-    for bad, match in ((["--listen", "nope"], "HOST:PORT"), (["--listen", "h:99999"], "HOST:PORT"),
-                       (["--upstream", "ftp://x"], "http"), (["--upstream-key-env", "UNSET"], "UNSET"),
-                       (["--retries", "-1"], "retries"), (["--max-concurrency", "0"], "max-concurrency"),
-                       (["--out", "/proc/nope"], "--out")):
+    for bad, match in (
+        (["--listen", "nope"], "HOST:PORT"),
+        (["--listen", "h:99999"], "HOST:PORT"),
+        (["--upstream", "ftp://x"], "http"),
+        (["--upstream-key-env", "UNSET"], "UNSET"),
+        (["--retries", "-1"], "retries"),
+        (["--max-concurrency", "0"], "max-concurrency"),
+        (["--out", "/proc/nope"], "--out"),
+    ):
         with pytest.raises(cli.UsageError, match=match):
             config_from_args(args(tmp_path, *bad), {})
 
@@ -89,17 +94,22 @@ def test_admin_opens_records_and_closes_rollouts(tmp_path):
         assert len(other["rollout_id"]) == 32
         # The admin key is not a rollout key, and a rollout key is not an admin key.
         assert (await http.post(f"{url}/v1/chat/completions", json=body("chat"), headers=admin)).status_code == 401
-        assert (await http.get(f"{url}/lowwater/stats",
-                               headers={"authorization": f"Bearer {opened['api_key']}"})).status_code == 401
+        assert (
+            await http.get(f"{url}/lowwater/stats", headers={"authorization": f"Bearer {opened['api_key']}"})
+        ).status_code == 401
         for kind, path in (("chat", "/chat/completions"), ("messages", "/messages")):
-            r = await http.post(opened["base_url"] + path, json=body(kind, stream=kind == "chat"),
-                                headers={"authorization": f"Bearer {opened['api_key']}"})
+            r = await http.post(
+                opened["base_url"] + path,
+                json=body(kind, stream=kind == "chat"),
+                headers={"authorization": f"Bearer {opened['api_key']}"},
+            )
             assert r.status_code == 200
         stats = (await http.get(f"{url}/lowwater/stats", headers=admin)).json()
         assert stats["open_rollouts"] == 2 and stats["rss_bytes"] > 0
         assert stats["intercepts"]["inserts"] == 2 and stats["upstream"]["requests"] == 2
         assert (await http.get(f"{url}/lowwater/rollouts", headers=admin)).json() == {
-            "rollouts": sorted(["a", other["rollout_id"]])}
+            "rollouts": sorted(["a", other["rollout_id"]])
+        }
         r = await http.delete(f"{url}/lowwater/rollouts/a", headers=admin)
         assert r.json() == {"rollout_id": "a", "turns": 2, "swept": 0}
         (line,) = lines(tmp_path)
@@ -107,8 +117,11 @@ def test_admin_opens_records_and_closes_rollouts(tmp_path):
         assert [t["protocol"] for t in line["turns"]] == ["openai.chat", "anthropic.messages"]
         assert line["turns"][0]["completion"]["content"] == "echo: what is 2 plus 2"
         assert (await http.delete(f"{url}/lowwater/rollouts/a", headers=admin)).status_code == 404
-        r = await http.post(opened["base_url"] + "/chat/completions", json=body("chat"),
-                            headers={"authorization": f"Bearer {opened['api_key']}"})
+        r = await http.post(
+            opened["base_url"] + "/chat/completions",
+            json=body("chat"),
+            headers={"authorization": f"Bearer {opened['api_key']}"},
+        )
         assert r.status_code == 401  # closed: its key is forgotten
         assert (await http.put(f"{url}/lowwater/rollouts/x", headers=admin)).status_code == 405
         stats = (await http.get(f"{url}/lowwater/stats", headers=admin)).json()
@@ -126,8 +139,11 @@ def test_delete_resolves_a_waiting_call(tmp_path):
         result = {}
 
         async def agent():
-            result["r"] = await http.post(opened["base_url"] + "/responses", json=body("responses", stream=True),
-                                          headers={"authorization": f"Bearer {opened['api_key']}"})
+            result["r"] = await http.post(
+                opened["base_url"] + "/responses",
+                json=body("responses", stream=True),
+                headers={"authorization": f"Bearer {opened['api_key']}"},
+            )
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(agent)
@@ -150,8 +166,21 @@ def test_proxy_process_serves_and_writes_open_rollouts_on_interrupt(tmp_path, si
             address = await nursery.start(serve, upstream)
             env = {**os.environ, "LOWWATER_ADMIN_KEY": "k"}
             process = await trio.lowlevel.open_process(
-                [sys.executable, "-c", MAIN, "proxy", "--upstream", f"http://{address}/v1", "--listen", "127.0.0.1:0",
-                 "--out", str(tmp_path)], stderr=subprocess.PIPE, env=env)
+                [
+                    sys.executable,
+                    "-c",
+                    MAIN,
+                    "proxy",
+                    "--upstream",
+                    f"http://{address}/v1",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--out",
+                    str(tmp_path),
+                ],
+                stderr=subprocess.PIPE,
+                env=env,
+            )
             try:
                 with trio.fail_after(GUARD_S):
                     banner = b""
@@ -160,8 +189,11 @@ def test_proxy_process_serves_and_writes_open_rollouts_on_interrupt(tmp_path, si
                     url = banner.split(b"listening on ")[1].split(b" ")[0].decode()
                     async with httpx.AsyncClient() as http:
                         opened = (await http.post(f"{url}/lowwater/rollouts", headers={"x-api-key": "k"})).json()
-                        r = await http.post(opened["base_url"] + "/chat/completions", json=body("chat"),
-                                            headers={"authorization": f"Bearer {opened['api_key']}"})
+                        r = await http.post(
+                            opened["base_url"] + "/chat/completions",
+                            json=body("chat"),
+                            headers={"authorization": f"Bearer {opened['api_key']}"},
+                        )
                         assert r.status_code == 200
                     process.send_signal(signum)
                     assert await process.wait() == code

@@ -36,8 +36,11 @@ async def _with_proxy(tmp_path, fn, sessions: SessionConfig | None):
 
 
 async def _call(http, opened, text="what is 2 plus 2", history=None):
-    r = await http.post(opened["base_url"] + "/chat/completions", json=body("chat", text, history=history),
-                        headers={"authorization": f"Bearer {opened['api_key']}"})
+    r = await http.post(
+        opened["base_url"] + "/chat/completions",
+        json=body("chat", text, history=history),
+        headers={"authorization": f"Bearer {opened['api_key']}"},
+    )
     return r.status_code
 
 
@@ -116,8 +119,19 @@ def _args(tmp_path, *extra):
 
 
 def test_session_flags_are_validated(tmp_path):
-    config = config_from_args(_args(tmp_path, "--sessions", "--session-timeout-s", "5", "--cleanup-interval-s", "1",
-                                    "--dump-dir", str(tmp_path / "d")), {})
+    config = config_from_args(
+        _args(
+            tmp_path,
+            "--sessions",
+            "--session-timeout-s",
+            "5",
+            "--cleanup-interval-s",
+            "1",
+            "--dump-dir",
+            str(tmp_path / "d"),
+        ),
+        {},
+    )
     assert config.sessions == SessionConfig(5.0, 1.0, tmp_path / "d") and (tmp_path / "d").is_dir()
     assert config_from_args(_args(tmp_path), {}).sessions is None
     for flag in ("--session-timeout-s", "--cleanup-interval-s"):

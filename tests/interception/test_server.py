@@ -43,9 +43,17 @@ def test_call_is_relayed_recorded_and_discarded(kind, stream):
             assert events[-1].startswith(TERMINAL[kind])
             assert b"echo: add two and three".split()[-1] in b"".join(events)
         else:
-            assert completion_text(kind, {"chat": lambda j: j["choices"][0]["message"],
-                                          "messages": lambda j: j["content"],
-                                          "responses": lambda j: j["output"]}[kind](r.json())) == "echo: add two and three"
+            assert (
+                completion_text(
+                    kind,
+                    {
+                        "chat": lambda j: j["choices"][0]["message"],
+                        "messages": lambda j: j["content"],
+                        "responses": lambda j: j["output"],
+                    }[kind](r.json()),
+                )
+                == "echo: add two and three"
+            )
         (turn,) = trajectory.turns
         assert turn.protocol == PROTOCOL[kind] and turn.model == "m" and turn.streamed is stream
         assert turn.error is None and turn.index == 0
@@ -82,8 +90,14 @@ def test_turns_keep_the_message_delta_not_the_history(kind, stream):
         assert [len(t.request_delta) for t in trajectory.turns] == [1, 2, 2, 2]
         assert [t.request_delta_start for t in trajectory.turns] == [0, 1, 3, 5]
         # Each image is held once across the trajectory (one object per turn that sent it new).
-        images = [part["data"] for t in trajectory.turns for m in t.request_delta if isinstance(m["content"], list)
-                  for part in m["content"] if part["type"] == "image"]
+        images = [
+            part["data"]
+            for t in trajectory.turns
+            for m in t.request_delta
+            if isinstance(m["content"], list)
+            for part in m["content"]
+            if part["type"] == "image"
+        ]
         assert len(images) == 4
         assert len(orjson.dumps([t.to_json() for t in trajectory.turns])) < 4 * len(image) + 8000
         await h.assert_clean()
@@ -120,7 +134,9 @@ def test_tool_calls_are_recorded(kind, stream):
         (turn,) = trajectory.turns
         if kind == "chat":
             (tc,) = turn.completion["tool_calls"]
-            assert tc["function"] == {"name": "calculator", "arguments": '{"expression": "1+1"}'} and tc["id"] == "call_1"
+            assert (
+                tc["function"] == {"name": "calculator", "arguments": '{"expression": "1+1"}'} and tc["id"] == "call_1"
+            )
             assert turn.finish_reason == "tool_calls"
         elif kind == "messages":
             assert turn.completion[1]["input"] == {"expression": "1+1"} and turn.finish_reason == "tool_use"
@@ -148,8 +164,11 @@ def test_model_override_and_upstream_key():
 def test_anthropic_headers_are_forwarded():
     async def fn(h):
         slot, _ = h.open()
-        r = await h.http.post(slot.anthropic_base_url + "/v1/messages", json=body("messages"),
-                              headers={"x-api-key": slot.secret, "anthropic-version": "2023-06-01", "x-other": "1"})
+        r = await h.http.post(
+            slot.anthropic_base_url + "/v1/messages",
+            json=body("messages"),
+            headers={"x-api-key": slot.secret, "anthropic-version": "2023-06-01", "x-other": "1"},
+        )
         assert r.status_code == 200
         headers = h.upstream.received[-1][1]
         assert headers["anthropic-version"] == "2023-06-01" and "x-other" not in headers
@@ -163,13 +182,21 @@ def test_secrets_authenticate_and_isolate_rollouts():
         b, tb = h.open("b")
         assert a.secret != b.secret
         url = a.base_url + "/chat/completions"
-        for headers in ({}, {"authorization": "Bearer nope"}, {"x-api-key": "nope"}, {"authorization": a.secret},
-                        {"authorization": f"Basic {a.secret}"}, {"authorization": f"Bearer {a.secret}", "x-api-key": b.secret}):
+        for headers in (
+            {},
+            {"authorization": "Bearer nope"},
+            {"x-api-key": "nope"},
+            {"authorization": a.secret},
+            {"authorization": f"Basic {a.secret}"},
+            {"authorization": f"Bearer {a.secret}", "x-api-key": b.secret},
+        ):
             r = await h.http.post(url, json=body("chat"), headers=headers)
             assert r.status_code == 401, headers
             assert r.json()["error"]["type"] == "authentication_error"
         r = await h.http.post(a.base_url + "/messages", json=body("messages"), headers={"x-api-key": "nope"})
-        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error" and r.json()["type"] == "error"
+        assert (
+            r.status_code == 401 and r.json()["error"]["type"] == "authentication_error" and r.json()["type"] == "error"
+        )
         # One server serves every rollout: the secret, not the URL, picks the trajectory.
         assert (await h.call(b, "chat", body("chat"), auth="x-api-key")).status_code == 200
         assert (await h.call(a, "messages", body("messages"))).status_code == 200
@@ -200,7 +227,9 @@ def test_bad_requests_are_400_with_a_reason(kind):
         (orjson.dumps({**body(kind), key: [3]}), f"{key}[0] must be an object"),
     ]
     if kind != "responses":
-        bad_bodies.append((orjson.dumps({**body(kind), "messages": [{"role": "robot", "content": "hi"}]}), "messages[0].role"))
+        bad_bodies.append(
+            (orjson.dumps({**body(kind), "messages": [{"role": "robot", "content": "hi"}]}), "messages[0].role")
+        )
     if kind == "messages":
         bad_bodies += [
             (orjson.dumps({k: v for k, v in body(kind).items() if k != "max_tokens"}), "missing field 'max_tokens'"),
@@ -211,8 +240,11 @@ def test_bad_requests_are_400_with_a_reason(kind):
     async def fn(h):
         slot, trajectory = h.open()
         for raw, reason in bad_bodies:
-            r = await h.http.post(slot.base_url + PATHS[kind].removeprefix("/v1"), content=raw,
-                                  headers={"authorization": f"Bearer {slot.secret}"})
+            r = await h.http.post(
+                slot.base_url + PATHS[kind].removeprefix("/v1"),
+                content=raw,
+                headers={"authorization": f"Bearer {slot.secret}"},
+            )
             assert r.status_code == 400, (raw, r.text)
             err = r.json()["error"]
             assert reason in err["message"], (reason, err)
@@ -253,8 +285,11 @@ def test_oversize_streamed_body_gets_413_not_a_reset():
             for _ in range(64):
                 yield b" " * 65536
 
-        r = await h.http.post(slot.base_url + "/chat/completions", content=chunks(),
-                              headers={"authorization": f"Bearer {slot.secret}", "content-type": "application/json"})
+        r = await h.http.post(
+            slot.base_url + "/chat/completions",
+            content=chunks(),
+            headers={"authorization": f"Bearer {slot.secret}", "content-type": "application/json"},
+        )
         assert r.status_code == 413
         await h.assert_clean()
 
@@ -335,9 +370,11 @@ def test_plugin_registers_the_builtin_protocols():
 
     got = []
     plugin.register_protocols(got.append)
-    assert [(p.name, p.path) for p in got] == [("openai.chat", "/v1/chat/completions"),
-                                               ("openai.responses", "/v1/responses"),
-                                               ("anthropic.messages", "/v1/messages")]
+    assert [(p.name, p.path) for p in got] == [
+        ("openai.chat", "/v1/chat/completions"),
+        ("openai.responses", "/v1/responses"),
+        ("anthropic.messages", "/v1/messages"),
+    ]
 
 
 def test_a_third_party_protocol_is_routed():
@@ -349,12 +386,12 @@ def test_a_third_party_protocol_is_routed():
 
     async def fn(h):
         slot, trajectory = h.open()
-        r = await h.http.post(slot.base_url + "/legacy/chat", json=body("chat"),
-                              headers={"authorization": f"Bearer {slot.secret}"})
+        r = await h.http.post(
+            slot.base_url + "/legacy/chat", json=body("chat"), headers={"authorization": f"Bearer {slot.secret}"}
+        )
         # The scripted upstream has no such route: its 404 passes through as the upstream's.
         assert r.status_code == 404
         assert trajectory.turns[0].protocol == "legacy.chat" and trajectory.turns[0].error == "upstream answered 404"
         await h.assert_clean()
 
     run(fn, protocols=[*builtin_protocols(), Legacy()])
-

@@ -39,8 +39,13 @@ def test_encode():
 
 
 _text = st.text(alphabet=st.characters(blacklist_characters="\r\n", blacklist_categories=("Cs",)), max_size=20)
-_events = st.lists(st.tuples(st.one_of(st.none(), _text.filter(lambda s: s.strip() == s and s)),
-                             st.lists(_text, min_size=1, max_size=3)), min_size=1, max_size=8)
+_events = st.lists(
+    st.tuples(
+        st.one_of(st.none(), _text.filter(lambda s: s.strip() == s and s)), st.lists(_text, min_size=1, max_size=3)
+    ),
+    min_size=1,
+    max_size=8,
+)
 
 
 @given(_events, st.lists(st.integers(1, 40), max_size=30), st.sampled_from([b"\n", b"\r\n", b"\r"]))

@@ -17,9 +17,9 @@ import trio
 from lowwater.envs.arithmetic import problem
 from lowwater.envs.calculator import evaluate, format_result
 from lowwater.interception import InterceptionServer
-from lowwater.upstream.client import ModelClient
 from lowwater.serve_model import ScriptedModel, serve_model
 from lowwater.trajectory import Trajectory
+from lowwater.upstream.client import ModelClient
 
 from ._harness import GUARD_S
 
@@ -46,8 +46,13 @@ def chat(slot, question: str, stream: bool) -> str:
             return message.content
         messages.append(message.model_dump(exclude_none=True))
         (call,) = message.tool_calls
-        messages.append({"role": "tool", "tool_call_id": call.id,
-                         "content": calc(json.loads(call.function.arguments)["expression"])})
+        messages.append(
+            {
+                "role": "tool",
+                "tool_call_id": call.id,
+                "content": calc(json.loads(call.function.arguments)["expression"]),
+            }
+        )
     raise AssertionError("no answer")
 
 
@@ -64,8 +69,13 @@ def responses(slot, question: str, stream: bool) -> str:
         if not calls:
             return response.output_text
         items += [o.model_dump(exclude_none=True) for o in response.output]
-        items.append({"type": "function_call_output", "call_id": calls[0].call_id,
-                      "output": calc(json.loads(calls[0].arguments)["expression"])})
+        items.append(
+            {
+                "type": "function_call_output",
+                "call_id": calls[0].call_id,
+                "output": calc(json.loads(calls[0].arguments)["expression"]),
+            }
+        )
     raise AssertionError("no answer")
 
 
@@ -83,8 +93,12 @@ def messages(slot, question: str, stream: bool) -> str:
             return "".join(b.text for b in message.content if b.type == "text")
         history.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]})
         (use,) = [b for b in message.content if b.type == "tool_use"]
-        history.append({"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": use.id, "content": calc(use.input["expression"])}]})
+        history.append(
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": use.id, "content": calc(use.input["expression"])}],
+            }
+        )
     raise AssertionError("no answer")
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 import trio
+import trio.lowlevel
 
 from lowwater.asgi import HTTPError, handle, read_body, send_json
 
@@ -77,9 +78,16 @@ class Upstream:
         if self.statuses:
             status = self.statuses.popleft()
             extra = [(b"retry-after", b"0")] if status == 429 else []
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", b"application/json"), *extra]})
-            return await send({"type": "http.response.body", "body": orjson.dumps({"error": {"message": f"scripted {status}"}})})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": [(b"content-type", b"application/json"), *extra],
+                }
+            )
+            return await send(
+                {"type": "http.response.body", "body": orjson.dumps({"error": {"message": f"scripted {status}"}})}
+            )
         if self.hang:
             while (await receive())["type"] != "http.disconnect":
                 pass
@@ -93,7 +101,9 @@ class Upstream:
         answer = _Answer(kind, body, self.tool_call)
         if not body.get("stream"):
             if self.malformed:
-                await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+                await send(
+                    {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+                )
                 return await send({"type": "http.response.body", "body": b"{not json"})
             return await send_json(send, 200, answer.body())
         await self._stream(receive, send, answer.events())
@@ -118,7 +128,7 @@ class Upstream:
                 if self.malformed and i == 1:
                     event = b"data: {not json\n\n"
                 await send({"type": "http.response.body", "body": event, "more_body": True})
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             nursery.cancel_scope.cancel()
 
@@ -144,8 +154,10 @@ class _Answer:
         self.token_ids = bool(body.get("return_token_ids"))
 
     def _entries(self, sl: slice = slice(None)) -> list[Json]:
-        return [{"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
-                for p, lp in zip(self.pieces[sl], self.lps[sl])]
+        return [
+            {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
+            for p, lp in zip(self.pieces[sl], self.lps[sl])
+        ]
 
     def usage(self) -> Json:
         n = len(self.pieces)
@@ -159,80 +171,206 @@ class _Answer:
         if self.kind == "chat":
             message: Json = {"role": "assistant", "content": self.text}
             if self.tool_call:
-                message["tool_calls"] = [{"id": "call_1", "type": "function",
-                                          "function": {"name": "calculator", "arguments": '{"expression": "1+1"}'}}]
-            choice: Json = {"index": 0, "message": message, "finish_reason": "tool_calls" if self.tool_call else "stop",
-                            "logprobs": {"content": self._entries()} if self.logprobs else None}
+                message["tool_calls"] = [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "calculator", "arguments": '{"expression": "1+1"}'},
+                    }
+                ]
+            choice: Json = {
+                "index": 0,
+                "message": message,
+                "finish_reason": "tool_calls" if self.tool_call else "stop",
+                "logprobs": {"content": self._entries()} if self.logprobs else None,
+            }
             if self.token_ids:
                 choice["token_ids"] = self.ids
-            return {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": self.model,
-                    "choices": [choice], "usage": self.usage()}
+            return {
+                "id": "chatcmpl-1",
+                "object": "chat.completion",
+                "created": 0,
+                "model": self.model,
+                "choices": [choice],
+                "usage": self.usage(),
+            }
         if self.kind == "messages":
             content: list[Json] = [{"type": "text", "text": self.text}]
             if self.tool_call:
-                content.append({"type": "tool_use", "id": "toolu_1", "name": "calculator", "input": {"expression": "1+1"}})
-            return {"id": "msg_1", "type": "message", "role": "assistant", "model": self.model, "content": content,
-                    "stop_reason": "tool_use" if self.tool_call else "end_turn", "stop_sequence": None,
-                    "usage": self.usage()}
+                content.append(
+                    {"type": "tool_use", "id": "toolu_1", "name": "calculator", "input": {"expression": "1+1"}}
+                )
+            return {
+                "id": "msg_1",
+                "type": "message",
+                "role": "assistant",
+                "model": self.model,
+                "content": content,
+                "stop_reason": "tool_use" if self.tool_call else "end_turn",
+                "stop_sequence": None,
+                "usage": self.usage(),
+            }
         return self._response("completed", self._output())
 
     def _output(self) -> list[Json]:
-        part = {"type": "output_text", "text": self.text, "annotations": [],
-                "logprobs": self._entries() if self.logprobs else []}
-        out: list[Json] = [{"type": "message", "id": "msg_1", "status": "completed", "role": "assistant", "content": [part]}]
+        part = {
+            "type": "output_text",
+            "text": self.text,
+            "annotations": [],
+            "logprobs": self._entries() if self.logprobs else [],
+        }
+        out: list[Json] = [
+            {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant", "content": [part]}
+        ]
         if self.tool_call:
-            out.append({"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "calculator",
-                        "arguments": '{"expression": "1+1"}', "status": "completed"})
+            out.append(
+                {
+                    "type": "function_call",
+                    "id": "fc_1",
+                    "call_id": "call_1",
+                    "name": "calculator",
+                    "arguments": '{"expression": "1+1"}',
+                    "status": "completed",
+                }
+            )
         return out
 
     def _response(self, status: str, output: list[Json]) -> Json:
-        return {"id": "resp_1", "object": "response", "created_at": 0, "status": status, "error": None,
-                "incomplete_details": None, "instructions": None, "model": self.model, "output": output,
-                "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "top_p": 1.0, "temperature": 1.0,
-                "usage": self.usage() if status != "in_progress" else None}
+        return {
+            "id": "resp_1",
+            "object": "response",
+            "created_at": 0,
+            "status": status,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": None,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+            "top_p": 1.0,
+            "temperature": 1.0,
+            "usage": self.usage() if status != "in_progress" else None,
+        }
 
     def events(self) -> list[bytes]:
-        return {"chat": self._chat_events, "messages": self._messages_events, "responses": self._responses_events}[self.kind]()
+        return {"chat": self._chat_events, "messages": self._messages_events, "responses": self._responses_events}[
+            self.kind
+        ]()
 
     def _chat_events(self) -> list[bytes]:
         def chunk(delta: Json, finish: str | None = None, i: int | None = None) -> bytes:
-            choice: Json = {"index": 0, "delta": delta, "finish_reason": finish,
-                            "logprobs": {"content": self._entries(slice(i, i + 1))} if self.logprobs and i is not None else None}
+            choice: Json = {
+                "index": 0,
+                "delta": delta,
+                "finish_reason": finish,
+                "logprobs": {"content": self._entries(slice(i, i + 1))} if self.logprobs and i is not None else None,
+            }
             if self.token_ids and i is not None:
                 choice["token_ids"] = self.ids[i : i + 1]
-            return _sse({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": self.model,
-                         "choices": [choice]})
+            return _sse(
+                {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion.chunk",
+                    "created": 0,
+                    "model": self.model,
+                    "choices": [choice],
+                }
+            )
 
         out = [chunk({"role": "assistant", "content": ""})]
         out += [chunk({"content": p}, i=i) for i, p in enumerate(self.pieces)]
         if self.tool_call:
-            out.append(chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
-                                              "function": {"name": "calculator", "arguments": ""}}]}))
+            out.append(
+                chunk(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "call_1",
+                                "type": "function",
+                                "function": {"name": "calculator", "arguments": ""},
+                            }
+                        ]
+                    }
+                )
+            )
             out.append(chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"expression": "1+1"}'}}]}))
         out.append(chunk({}, "tool_calls" if self.tool_call else "stop"))
-        out.append(_sse({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": self.model,
-                         "choices": [], "usage": self.usage()}))
+        out.append(
+            _sse(
+                {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion.chunk",
+                    "created": 0,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": self.usage(),
+                }
+            )
+        )
         out.append(_sse("[DONE]"))
         return out
 
     def _messages_events(self) -> list[bytes]:
-        start = {"id": "msg_1", "type": "message", "role": "assistant", "model": self.model, "content": [],
-                 "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 7, "output_tokens": 1}}
+        start = {
+            "id": "msg_1",
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 7, "output_tokens": 1},
+        }
         out = [_sse({"type": "message_start", "message": start}, "message_start"), _sse({"type": "ping"}, "ping")]
-        out.append(_sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-                        "content_block_start"))
-        out += [_sse({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": p}},
-                     "content_block_delta") for p in self.pieces]
+        out.append(
+            _sse(
+                {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                "content_block_start",
+            )
+        )
+        out += [
+            _sse(
+                {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": p}},
+                "content_block_delta",
+            )
+            for p in self.pieces
+        ]
         out.append(_sse({"type": "content_block_stop", "index": 0}, "content_block_stop"))
         if self.tool_call:
-            out.append(_sse({"type": "content_block_start", "index": 1, "content_block": {
-                "type": "tool_use", "id": "toolu_1", "name": "calculator", "input": {}}}, "content_block_start"))
-            out.append(_sse({"type": "content_block_delta", "index": 1, "delta": {
-                "type": "input_json_delta", "partial_json": '{"expression": "1+1"}'}}, "content_block_delta"))
+            out.append(
+                _sse(
+                    {
+                        "type": "content_block_start",
+                        "index": 1,
+                        "content_block": {"type": "tool_use", "id": "toolu_1", "name": "calculator", "input": {}},
+                    },
+                    "content_block_start",
+                )
+            )
+            out.append(
+                _sse(
+                    {
+                        "type": "content_block_delta",
+                        "index": 1,
+                        "delta": {"type": "input_json_delta", "partial_json": '{"expression": "1+1"}'},
+                    },
+                    "content_block_delta",
+                )
+            )
             out.append(_sse({"type": "content_block_stop", "index": 1}, "content_block_stop"))
-        out.append(_sse({"type": "message_delta", "delta": {"stop_reason": "tool_use" if self.tool_call else "end_turn",
-                                                            "stop_sequence": None},
-                         "usage": {"output_tokens": len(self.pieces)}}, "message_delta"))
+        out.append(
+            _sse(
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": "tool_use" if self.tool_call else "end_turn", "stop_sequence": None},
+                    "usage": {"output_tokens": len(self.pieces)},
+                },
+                "message_delta",
+            )
+        )
         out.append(_sse({"type": "message_stop"}, "message_stop"))
         return out
 
@@ -245,23 +383,58 @@ class _Answer:
         output = self._output()
         message = output[0]
         part = message["content"][0]
-        out = [ev("response.created", response=self._response("in_progress", [])),
-               ev("response.in_progress", response=self._response("in_progress", [])),
-               ev("response.output_item.added", output_index=0, item={**message, "status": "in_progress", "content": []}),
-               ev("response.content_part.added", item_id="msg_1", output_index=0, content_index=0,
-                  part={**part, "text": "", "logprobs": []})]
-        out += [ev("response.output_text.delta", item_id="msg_1", output_index=0, content_index=0, delta=p,
-                   logprobs=part["logprobs"][i : i + 1]) for i, p in enumerate(self.pieces)]
-        out += [ev("response.output_text.done", item_id="msg_1", output_index=0, content_index=0, text=self.text,
-                   logprobs=part["logprobs"]),
-                ev("response.content_part.done", item_id="msg_1", output_index=0, content_index=0, part=part),
-                ev("response.output_item.done", output_index=0, item=message)]
+        out = [
+            ev("response.created", response=self._response("in_progress", [])),
+            ev("response.in_progress", response=self._response("in_progress", [])),
+            ev("response.output_item.added", output_index=0, item={**message, "status": "in_progress", "content": []}),
+            ev(
+                "response.content_part.added",
+                item_id="msg_1",
+                output_index=0,
+                content_index=0,
+                part={**part, "text": "", "logprobs": []},
+            ),
+        ]
+        out += [
+            ev(
+                "response.output_text.delta",
+                item_id="msg_1",
+                output_index=0,
+                content_index=0,
+                delta=p,
+                logprobs=part["logprobs"][i : i + 1],
+            )
+            for i, p in enumerate(self.pieces)
+        ]
+        out += [
+            ev(
+                "response.output_text.done",
+                item_id="msg_1",
+                output_index=0,
+                content_index=0,
+                text=self.text,
+                logprobs=part["logprobs"],
+            ),
+            ev("response.content_part.done", item_id="msg_1", output_index=0, content_index=0, part=part),
+            ev("response.output_item.done", output_index=0, item=message),
+        ]
         if self.tool_call:
             call = output[1]
-            out += [ev("response.output_item.added", output_index=1, item={**call, "arguments": "", "status": "in_progress"}),
-                    ev("response.function_call_arguments.delta", item_id="fc_1", output_index=1, delta=call["arguments"]),
-                    ev("response.function_call_arguments.done", item_id="fc_1", output_index=1, name="calculator",
-                       arguments=call["arguments"]),
-                    ev("response.output_item.done", output_index=1, item=call)]
+            out += [
+                ev(
+                    "response.output_item.added",
+                    output_index=1,
+                    item={**call, "arguments": "", "status": "in_progress"},
+                ),
+                ev("response.function_call_arguments.delta", item_id="fc_1", output_index=1, delta=call["arguments"]),
+                ev(
+                    "response.function_call_arguments.done",
+                    item_id="fc_1",
+                    output_index=1,
+                    name="calculator",
+                    arguments=call["arguments"],
+                ),
+                ev("response.output_item.done", output_index=1, item=call),
+            ]
         out.append(ev("response.completed", response=self._response("completed", output)))
         return out

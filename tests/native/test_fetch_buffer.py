@@ -63,9 +63,21 @@ def test_exception_hierarchy():
 
 def test_dtypes_table():
     assert _native.DTYPES == {
-        "bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
-        "int32": 4, "uint32": 4, "float32": 4, "int64": 8, "uint64": 8, "float64": 8,
-        "complex64": 8, "complex128": 16,
+        "bool": 1,
+        "int8": 1,
+        "uint8": 1,
+        "int16": 2,
+        "uint16": 2,
+        "float16": 2,
+        "bfloat16": 2,
+        "int32": 4,
+        "uint32": 4,
+        "float32": 4,
+        "int64": 8,
+        "uint64": 8,
+        "float64": 8,
+        "complex64": 8,
+        "complex128": 16,
     }
     for name, size in _native.DTYPES.items():
         assert np.dtype(NP_DTYPE[name]).itemsize == size

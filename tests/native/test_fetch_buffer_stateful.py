@@ -102,7 +102,13 @@ class FetchBufferMachine(RuleBasedStateMachine):
 
     def nbytes_for(self, kind: str, jitter: int) -> int:
         t = self.threshold
-        return {"zero": 0, "small": 1 + jitter % 64, "below": t - 1 - jitter % 16, "at": t, "above": t + 1 + jitter % 3000}[kind]
+        return {
+            "zero": 0,
+            "small": 1 + jitter % 64,
+            "below": t - 1 - jitter % 16,
+            "at": t,
+            "above": t + 1 + jitter % 3000,
+        }[kind]
 
     @property
     def held_bytes(self) -> int:
@@ -211,7 +217,10 @@ class FetchBufferMachine(RuleBasedStateMachine):
         if keep:
             self.keep(v, shard_id, e, as_array)
 
-    @rule(ids=st.lists(st.sampled_from(IDS + UNKNOWN), max_size=6), container=st.sampled_from(["list", "tuple", "set", "gen"]))
+    @rule(
+        ids=st.lists(st.sampled_from(IDS + UNKNOWN), max_size=6),
+        container=st.sampled_from(["list", "tuple", "set", "gen"]),
+    )
     def clear_some(self, ids, container):
         arg = {"list": list, "tuple": tuple, "set": set, "gen": iter}[container](ids)
         expected = sum(1 for k in set(ids) if self.model.pop(k, None) is not None)

@@ -14,7 +14,17 @@ import pytest
 import lowwater
 from lowwater._native import BufferFull, InterceptTable, InterceptView, RolloutClosed
 
-INTERCEPT_KEYS = {"entries", "bytes", "peak_bytes", "live_bytes", "open_rollouts", "inserts", "discards", "swept", "rejected"}
+INTERCEPT_KEYS = {
+    "entries",
+    "bytes",
+    "peak_bytes",
+    "live_bytes",
+    "open_rollouts",
+    "inserts",
+    "discards",
+    "swept",
+    "rejected",
+}
 PAGE = 4096
 
 
@@ -128,8 +138,15 @@ def test_rollout_lifecycle():
         t.insert("q4", "r", b"x", protocol="p", stream=False)
     st = t.stats()
     assert st == {
-        "entries": 1, "bytes": 1, "peak_bytes": 3 + 5 + 1, "live_bytes": 1 + 3,
-        "open_rollouts": 1, "inserts": 4, "discards": 1, "swept": 2, "rejected": 0,
+        "entries": 1,
+        "bytes": 1,
+        "peak_bytes": 3 + 5 + 1,
+        "live_bytes": 1 + 3,
+        "open_rollouts": 1,
+        "inserts": 4,
+        "discards": 1,
+        "swept": 2,
+        "rejected": 0,
     }
     del held
     assert t.stats()["live_bytes"] == 1

@@ -22,7 +22,17 @@ from lowwater._native import BufferFull, InterceptTable, InterceptView, RolloutC
 
 REQS = ["q0", "q1", "q2", "q3", "q4"]
 ROLLOUTS = ["r0", "r1", "r2"]
-INTERCEPT_KEYS = {"entries", "bytes", "peak_bytes", "live_bytes", "open_rollouts", "inserts", "discards", "swept", "rejected"}
+INTERCEPT_KEYS = {
+    "entries",
+    "bytes",
+    "peak_bytes",
+    "live_bytes",
+    "open_rollouts",
+    "inserts",
+    "discards",
+    "swept",
+    "rejected",
+}
 MAX_VIEWS = 8
 
 
@@ -122,7 +132,13 @@ class InterceptTableMachine(RuleBasedStateMachine):
     )
     def insert(self, request_id, rollout, size_kind, jitter, kind, protocol, stream):
         t = self.threshold
-        n = {"zero": 0, "small": 1 + jitter % 64, "below": t - 1 - jitter % 16, "at": t, "above": t + 1 + jitter % 3000}[size_kind]
+        n = {
+            "zero": 0,
+            "small": 1 + jitter % 64,
+            "below": t - 1 - jitter % 16,
+            "at": t,
+            "above": t + 1 + jitter % 3000,
+        }[size_kind]
         self.serial += 1
         data = body_bytes(self.serial, n)
         if kind == "bytes":

@@ -49,7 +49,9 @@ def test_fetch_buffer_rss_returns_after_clear(source):
         st = fb.stats()
         assert (st["entries"], st["bytes"], st["live_bytes"]) == (COUNT, TOTAL, TOTAL)
         held = rss()
-        assert held - base >= MIN_RISE, f"cycle {cycle}: RSS rose by only {(held - base) / MiB:.0f} MiB while holding 512 MiB"
+        assert held - base >= MIN_RISE, (
+            f"cycle {cycle}: RSS rose by only {(held - base) / MiB:.0f} MiB while holding 512 MiB"
+        )
         v = fb.get("s0")
         assert np.array_equal(np.frombuffer(v, np.uint64), source)
         del v
@@ -130,7 +132,9 @@ def test_intercept_table_rss_returns_after_close_and_discard(source):
         del kept
         assert t.stats()["live_bytes"] == 0
         after = rss()
-        assert after - base <= SLACK, f"cycle {cycle}: RSS {after / MiB:.0f} MiB after drain, baseline {base / MiB:.0f} MiB"
+        assert after - base <= SLACK, (
+            f"cycle {cycle}: RSS {after / MiB:.0f} MiB after drain, baseline {base / MiB:.0f} MiB"
+        )
 
 
 def test_open_rollout_costs_bytes_not_kilobytes():

@@ -16,7 +16,9 @@ def _stub_names() -> dict[str, set[str]]:
     for node in tree.body:
         if isinstance(node, ast.ClassDef):
             out[node.name] = {
-                n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not n.name.startswith("__")
+                n.name
+                for n in node.body
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not n.name.startswith("__")
             }
             out[""].add(node.name)
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):

@@ -47,7 +47,7 @@ def run_threads(target, n: int = THREADS, timeout: float = 60.0) -> list:
     def body(i):
         try:
             results[i] = target(i, barrier)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+        except BaseException as e:
             errors.append(e)
             barrier.abort()
 
@@ -391,7 +391,7 @@ def test_intercept_insert_races_close(threshold):
                 except RolloutClosed:
                     out["closed"].append(q)
                     break
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     out["other"].append((q, repr(e)))
                     break
                 out["ok"].append(q)

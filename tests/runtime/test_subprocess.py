@@ -122,7 +122,9 @@ def test_inherit_env_false_starts_empty(monkeypatch):
     async def body(rt):
         import json
 
-        env = json.loads((await rt.run([PY, "-c", "import json, os; print(json.dumps(dict(os.environ)))"], env={"B": "2"})).stdout)
+        env = json.loads(
+            (await rt.run([PY, "-c", "import json, os; print(json.dumps(dict(os.environ)))"], env={"B": "2"})).stdout
+        )
         assert "LW_PLAIN" not in env and env["A"] == "1" and env["B"] == "2"
 
     with_runtime(body, RuntimeConfig(inherit_env=False, env={"A": "1"}))
@@ -138,7 +140,9 @@ def test_env_values_must_be_strings():
 
 def test_output_is_capped_and_flagged_without_blocking_the_program():
     async def body(rt):
-        code = "import sys; sys.stdout.write('x' * 5_000_000); sys.stderr.write('y' * 10); print('done', file=sys.stderr)"
+        code = (
+            "import sys; sys.stdout.write('x' * 5_000_000); sys.stderr.write('y' * 10); print('done', file=sys.stderr)"
+        )
         r = await rt.run([PY, "-c", code])
         assert r.exit_code == 0
         assert r.stdout == b"x" * 1000 and r.stdout_truncated
@@ -223,7 +227,13 @@ def test_missing_executable_raises_oserror():
 def test_reset_empties_the_workdir_and_keeps_its_path():
     async def body(rt):
         before = rt.workdir
-        await rt.run([PY, "-c", "import os; os.makedirs('a/b'); open('a/b/f', 'w').write('x'); open('g', 'w').write('y'); os.symlink('/etc', 'link')"])
+        await rt.run(
+            [
+                PY,
+                "-c",
+                "import os; os.makedirs('a/b'); open('a/b/f', 'w').write('x'); open('g', 'w').write('y'); os.symlink('/etc', 'link')",
+            ]
+        )
         assert sorted(os.listdir(rt.workdir)) == ["a", "g", "link"]
         await rt.reset()
         assert rt.workdir == before and os.listdir(rt.workdir) == []

@@ -26,7 +26,7 @@ from lowwater.runtime import (
 
 HANG_S = 60
 
-SCRIPT = '''\
+SCRIPT = """\
 import os, sys, time
 
 IMPORTS = globals().get("IMPORTS", 0) + 1
@@ -80,7 +80,7 @@ def main(argv):
 
 if __name__ == "__main__":
     sys.stdout.write(main(sys.argv[1:]))
-'''
+"""
 
 
 def live_children(expect: int = 0, settle_s: float = 10.0) -> list[psutil.Process]:
@@ -146,7 +146,11 @@ def test_warm_and_cold_give_the_same_result(script):
         cold = await rt.run_script(script, args)
         warm = await rt.run_script(script, args, warm=True)
         assert cold == warm == "argv|a b|ünï||--flag#argv|a b|ünï||--flag"
-        assert await rt.run_script(script, ["sibling"]) == await rt.run_script(script, ["sibling"], warm=True) == "from sibling"
+        assert (
+            await rt.run_script(script, ["sibling"])
+            == await rt.run_script(script, ["sibling"], warm=True)
+            == "from sibling"
+        )
         assert await rt.run_script(script, ["cwd"], warm=True) == str(rt.workdir)
 
     with_runtime(body)
@@ -379,7 +383,9 @@ def test_worker_start_failure_is_a_crash(script, tmp_path):
 
 def test_worker_never_imports_lowwater(script, tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text("import sys\ndef main(argv):\n    return ','.join(sorted(m for m in sys.modules if m.startswith('lowwater')))\n")
+    probe.write_text(
+        "import sys\ndef main(argv):\n    return ','.join(sorted(m for m in sys.modules if m.startswith('lowwater')))\n"
+    )
 
     async def body(rt):
         assert await rt.run_script(probe, [], warm=True) == ""
@@ -393,4 +399,3 @@ def test_worker_uses_the_configured_interpreter(script):
         assert psutil.Process(pid).cmdline()[:2] == [sys.executable, "-I"]
 
     with_runtime(body)
-

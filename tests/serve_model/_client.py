@@ -88,7 +88,10 @@ def start(protocol: str, question: str, *, tools: bool = True, **extra: Any) -> 
     """A first request body for ``question`` (with an instruction before it, as agents do)."""
     system = "Solve the problem. Use the calculator tool for arithmetic. End with a line 'A: <number>'."
     if protocol == "chat":
-        body = {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+        body = {
+            "model": "m",
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        }
         if tools:
             body["tools"] = CHAT_TOOLS
     elif protocol == "responses":
@@ -109,23 +112,33 @@ def append(protocol: str, body: dict[str, Any], turn: Turn, result: str) -> None
     """Add ``turn`` (which ended with a tool call) and the tool's ``result`` to the conversation."""
     if protocol == "chat":
         body["messages"] += [
-            {"role": "assistant", "content": turn.text or None,
-             "tool_calls": [{"id": turn.call_id, "type": "function",
-                             "function": {"name": "calculator", "arguments": turn.arguments}}]},
+            {
+                "role": "assistant",
+                "content": turn.text or None,
+                "tool_calls": [
+                    {
+                        "id": turn.call_id,
+                        "type": "function",
+                        "function": {"name": "calculator", "arguments": turn.arguments},
+                    }
+                ],
+            },
             {"role": "tool", "tool_call_id": turn.call_id, "content": result},
         ]
     elif protocol == "responses":
         if turn.text:
-            body["input"].append({"type": "message", "role": "assistant",
-                                  "content": [{"type": "output_text", "text": turn.text}]})
+            body["input"].append(
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": turn.text}]}
+            )
         body["input"] += [
             {"type": "function_call", "call_id": turn.call_id, "name": "calculator", "arguments": turn.arguments},
             {"type": "function_call_output", "call_id": turn.call_id, "output": result},
         ]
     else:
         content: list[dict[str, Any]] = [{"type": "text", "text": turn.text}] if turn.text else []
-        content.append({"type": "tool_use", "id": turn.call_id, "name": "calculator",
-                        "input": {"expression": turn.expression}})
+        content.append(
+            {"type": "tool_use", "id": turn.call_id, "name": "calculator", "input": {"expression": turn.expression}}
+        )
         body["messages"] += [
             {"role": "assistant", "content": content},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": turn.call_id, "content": result}]},
@@ -186,9 +199,14 @@ def read_chat(body: dict[str, Any]) -> Turn:
     (choice,) = body["choices"]
     message = choice["message"]
     finish = {"stop": "stop", "tool_calls": "tool", "length": "length"}[choice["finish_reason"]]
-    turn = Turn(message["content"] or "", finish, payload=body.get("x_lowwater_payload"),
-                logprobs=(choice["logprobs"] or {}).get("content"), raw=body,
-                usage={"prompt": body["usage"]["prompt_tokens"], "completion": body["usage"]["completion_tokens"]})
+    turn = Turn(
+        message["content"] or "",
+        finish,
+        payload=body.get("x_lowwater_payload"),
+        logprobs=(choice["logprobs"] or {}).get("content"),
+        raw=body,
+        usage={"prompt": body["usage"]["prompt_tokens"], "completion": body["usage"]["completion_tokens"]},
+    )
     calls = message.get("tool_calls") or []
     assert len(calls) == (finish == "tool")
     if calls:
@@ -231,8 +249,13 @@ def read_messages(body: dict[str, Any]) -> Turn:
     texts = [b["text"] for b in body["content"] if b["type"] == "text"]
     uses = [b for b in body["content"] if b["type"] == "tool_use"]
     assert len(uses) == (finish == "tool")
-    turn = Turn("".join(texts), finish, payload=body.get("x_lowwater_payload"), raw=body,
-                usage={"prompt": body["usage"]["input_tokens"], "completion": body["usage"]["output_tokens"]})
+    turn = Turn(
+        "".join(texts),
+        finish,
+        payload=body.get("x_lowwater_payload"),
+        raw=body,
+        usage={"prompt": body["usage"]["input_tokens"], "completion": body["usage"]["output_tokens"]},
+    )
     if uses:
         turn.call_id, turn.expression = uses[0]["id"], uses[0]["input"]["expression"]
         turn.arguments = orjson.dumps(uses[0]["input"]).decode()
@@ -265,7 +288,9 @@ def read_messages_stream(events: list[tuple[str | None, str]]) -> Turn:
     final = data[-2]
     finish = {"end_turn": "stop", "tool_use": "tool", "max_tokens": "length"}[final["delta"]["stop_reason"]]
     usage = {"prompt": data[0]["message"]["usage"]["input_tokens"], "completion": final["usage"]["output_tokens"]}
-    return Turn("".join(text), finish, call_id, expression, partial or None, usage, final.get("x_lowwater_payload"), raw=data)
+    return Turn(
+        "".join(text), finish, call_id, expression, partial or None, usage, final.get("x_lowwater_payload"), raw=data
+    )
 
 
 def read_responses(body: dict[str, Any]) -> Turn:
@@ -276,9 +301,14 @@ def read_responses(body: dict[str, Any]) -> Turn:
     finish = "length" if body["status"] == "incomplete" else "tool" if calls else "stop"
     assert body["status"] in ("completed", "incomplete")
     logprobs = [lp for p in parts for lp in p.get("logprobs") or []]
-    turn = Turn("".join(p["text"] for p in parts), finish, payload=body.get("x_lowwater_payload"),
-                logprobs=logprobs or None, raw=body,
-                usage={"prompt": body["usage"]["input_tokens"], "completion": body["usage"]["output_tokens"]})
+    turn = Turn(
+        "".join(p["text"] for p in parts),
+        finish,
+        payload=body.get("x_lowwater_payload"),
+        logprobs=logprobs or None,
+        raw=body,
+        usage={"prompt": body["usage"]["input_tokens"], "completion": body["usage"]["output_tokens"]},
+    )
     if calls:
         turn.call_id, turn.arguments = calls[0]["call_id"], calls[0]["arguments"]
         turn.expression = _expression(turn.arguments)

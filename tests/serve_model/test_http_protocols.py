@@ -10,12 +10,20 @@ import trio
 
 from lowwater.asgi import serve
 from lowwater.envs.arithmetic import problem
-from lowwater.serve_model import ScriptedModel, build_app
-from lowwater.serve_model import tokens
+from lowwater.serve_model import ScriptedModel, build_app, tokens
 from lowwater.serve_model.replay import annotations
 
 from ._client import (
-    PATHS, PROTOCOLS, gsm8k_rows, replay_model, request, requires_data, run_with_server, several_step_row, start, walk,
+    PATHS,
+    PROTOCOLS,
+    gsm8k_rows,
+    replay_model,
+    request,
+    requires_data,
+    run_with_server,
+    several_step_row,
+    start,
+    walk,
 )
 
 
@@ -95,8 +103,14 @@ def test_chat_logprobs_and_token_ids():
     async def body(url, client):
         out = []
         for stream in (False, True):
-            extra = {"stream": stream, "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True,
-                     "return_token_ids": True, "stream_options": {"include_usage": True} if stream else None}
+            extra = {
+                "stream": stream,
+                "logprobs": True,
+                "top_logprobs": 2,
+                "return_tokens_as_token_ids": True,
+                "return_token_ids": True,
+                "stream_options": {"include_usage": True} if stream else None,
+            }
             out.append(await request(client, url, "chat", start("chat", p.question, **extra)))
         return out
 
@@ -110,8 +124,9 @@ def test_chat_logprobs_and_token_ids():
         assert turn.usage["completion"] == len(pieces) + tokens.count(turn.arguments)
     choice = plain.raw["choices"][0]
     assert choice["token_ids"] == tokens.ids(plain.text) + tokens.ids(plain.arguments)
-    assert len(plain.raw["prompt_token_ids"]) == tokens.count("".join(
-        m["content"] for m in start("chat", p.question)["messages"]))
+    assert len(plain.raw["prompt_token_ids"]) == tokens.count(
+        "".join(m["content"] for m in start("chat", p.question)["messages"])
+    )
     streamed_ids = [i for c in streamed.raw for ch in c["choices"] for i in ch.get("token_ids", [])]
     assert streamed_ids == choice["token_ids"]
     assert streamed.raw[0]["prompt_token_ids"] == plain.raw["prompt_token_ids"]
@@ -120,8 +135,10 @@ def test_chat_logprobs_and_token_ids():
 def test_responses_logprobs():
     async def body(url, client):
         extra = {"include": ["message.output_text.logprobs"]}
-        return [await request(client, url, "responses", start("responses", "Hi there", stream=s, **extra))
-                for s in (False, True)]
+        return [
+            await request(client, url, "responses", start("responses", "Hi there", stream=s, **extra))
+            for s in (False, True)
+        ]
 
     plain, streamed = run_with_server(ScriptedModel(completion_tokens=5), body)
     for turn in (plain, streamed):
@@ -148,7 +165,9 @@ def test_max_tokens_cuts_the_turn(stream):
     keys = {"chat": "max_tokens", "responses": "max_output_tokens", "messages": "max_tokens"}
 
     async def body(url, client):
-        return [await request(client, url, pr, start(pr, p.question, stream=stream, **{keys[pr]: 3})) for pr in PROTOCOLS]
+        return [
+            await request(client, url, pr, start(pr, p.question, stream=stream, **{keys[pr]: 3})) for pr in PROTOCOLS
+        ]
 
     full = ScriptedModel().reply(p.question, 0).text
     for turn in run_with_server(ScriptedModel(), body):
@@ -188,9 +207,21 @@ BAD = [
     ("chat", b'{"model": "m", "messages": [{"role": "user", "content": 5}]}', "messages[0].content"),
     ("chat", b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]}', "content[0].text"),
     ("chat", b'{"model": "m", "messages": [{"role": "system", "content": "x"}]}', "no user message with text"),
-    ("chat", b'{"model": "m", "stream": "yes", "messages": [{"role": "user", "content": "x"}]}', "stream must be a boolean"),
-    ("chat", b'{"model": "m", "max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}', "max_tokens must be >= 1"),
-    ("chat", b'{"model": "m", "max_tokens": true, "messages": [{"role": "user", "content": "x"}]}', "max_tokens must be an integer"),
+    (
+        "chat",
+        b'{"model": "m", "stream": "yes", "messages": [{"role": "user", "content": "x"}]}',
+        "stream must be a boolean",
+    ),
+    (
+        "chat",
+        b'{"model": "m", "max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}',
+        "max_tokens must be >= 1",
+    ),
+    (
+        "chat",
+        b'{"model": "m", "max_tokens": true, "messages": [{"role": "user", "content": "x"}]}',
+        "max_tokens must be an integer",
+    ),
     ("chat", b'{"model": "m", "top_logprobs": 99, "messages": [{"role": "user", "content": "x"}]}', "top_logprobs"),
     ("chat", b'{"model": "m", "tools": [3], "messages": [{"role": "user", "content": "x"}]}', "tools[0]"),
     ("responses", b'{"model": "m"}', "missing field input"),
@@ -199,9 +230,21 @@ BAD = [
     ("responses", b'{"model": "m", "input": ["x"]}', "input[0] must be an object"),
     ("responses", b'{"model": "m", "input": "   "}', "no user message with text"),
     ("messages", b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}', "missing field max_tokens"),
-    ("messages", b'{"model": "m", "max_tokens": 9, "messages": [{"role": "system", "content": "x"}]}', "role must be user or assistant"),
-    ("messages", b'{"model": "m", "max_tokens": 9, "system": 3, "messages": [{"role": "user", "content": "x"}]}', "field system"),
-    ("messages", b'{"model": 1, "max_tokens": 9, "messages": [{"role": "user", "content": "x"}]}', "model must be a string"),
+    (
+        "messages",
+        b'{"model": "m", "max_tokens": 9, "messages": [{"role": "system", "content": "x"}]}',
+        "role must be user or assistant",
+    ),
+    (
+        "messages",
+        b'{"model": "m", "max_tokens": 9, "system": 3, "messages": [{"role": "user", "content": "x"}]}',
+        "field system",
+    ),
+    (
+        "messages",
+        b'{"model": 1, "max_tokens": 9, "messages": [{"role": "user", "content": "x"}]}',
+        "model must be a string",
+    ),
 ]
 
 
@@ -277,8 +320,10 @@ def test_a_client_leaving_mid_stream_stops_the_stream(monkeypatch):
         host, port = url.removeprefix("http://").rsplit(":", 1)
         payload = orjson.dumps(start("chat", "hi", stream=True))
         stream = await trio.open_tcp_stream(host, int(port))
-        await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                              b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
+        await stream.send_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(payload), payload)
+        )
         assert (await stream.receive_some(65536)).startswith(b"HTTP/1.1 200")
         await stream.aclose()
         with trio.fail_after(30):

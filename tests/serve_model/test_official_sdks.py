@@ -15,7 +15,16 @@ import trio
 from lowwater.envs.arithmetic import problem
 from lowwater.serve_model import ScriptedModel
 
-from ._client import CHAT_TOOLS, MESSAGES_TOOLS, RESPONSES_TOOLS, calculate, gsm8k_rows, replay_model, requires_data, run_with_server
+from ._client import (
+    CHAT_TOOLS,
+    MESSAGES_TOOLS,
+    RESPONSES_TOOLS,
+    calculate,
+    gsm8k_rows,
+    replay_model,
+    requires_data,
+    run_with_server,
+)
 
 
 def in_thread(model, fn):
@@ -58,8 +67,13 @@ def openai_responses(url: str, question: str, stream: bool) -> tuple[str, int]:
             return response.output_text, calls
         items += [o.model_dump(exclude_none=True) for o in response.output]
         (call,) = function_calls
-        items.append({"type": "function_call_output", "call_id": call.call_id,
-                      "output": calculate(json.loads(call.arguments)["expression"])})
+        items.append(
+            {
+                "type": "function_call_output",
+                "call_id": call.call_id,
+                "output": calculate(json.loads(call.arguments)["expression"]),
+            }
+        )
     raise AssertionError("no final answer")
 
 
@@ -76,8 +90,14 @@ def anthropic_messages(url: str, question: str, stream: bool) -> tuple[str, int]
             return "".join(b.text for b in message.content if b.type == "text"), calls
         messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]})
         (use,) = [b for b in message.content if b.type == "tool_use"]
-        messages.append({"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": use.id, "content": calculate(use.input["expression"])}]})
+        messages.append(
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": use.id, "content": calculate(use.input["expression"])}
+                ],
+            }
+        )
     raise AssertionError("no final answer")
 
 
@@ -112,12 +132,14 @@ def test_sdk_errors_carry_the_reason():
         out = []
         try:
             openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0).chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "Who are you?"}])
+                model="m", messages=[{"role": "user", "content": "Who are you?"}]
+            )
         except openai.BadRequestError as exc:
             out.append(str(exc))
         try:
             anthropic.Anthropic(base_url=url, api_key="k", max_retries=0).messages.create(
-                model="m", max_tokens=10, messages=[{"role": "user", "content": "Who are you?"}])
+                model="m", max_tokens=10, messages=[{"role": "user", "content": "Who are you?"}]
+            )
         except anthropic.BadRequestError as exc:
             out.append(str(exc))
         models = openai.OpenAI(base_url=url + "/v1", api_key="k").models.list()

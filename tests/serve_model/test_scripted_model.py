@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lowwater.envs.arithmetic import problem
-from lowwater.serve_model import ModelError, ScriptedModel
-from lowwater.serve_model import tokens
+from lowwater.serve_model import ModelError, ScriptedModel, tokens
 from lowwater.serve_model.scripted import arithmetic_solution
 
 
@@ -37,9 +36,9 @@ def test_near_misses_fall_back_to_filler():
     p = problem(0, 0)
     assert p.question.startswith("Ines bakes 15 trays")
     decoys = [
-        p.question.replace("Ines", "Zed"),                      # a name the generator never uses
-        p.question.replace("15 trays", "16 trays"),             # out of the generator's range (3..15)
-        p.question.replace("full bags", "bags"),                # another template
+        p.question.replace("Ines", "Zed"),  # a name the generator never uses
+        p.question.replace("15 trays", "16 trays"),  # out of the generator's range (3..15)
+        p.question.replace("full bags", "bags"),  # another template
         p.question.replace(" ", "")[:40],
     ]
     model = ScriptedModel(completion_tokens=7)
@@ -75,6 +74,8 @@ def test_fake_tokens_are_deterministic():
     assert all(-2 < tokens.logprob(t) <= 0 for t in tokens.split(text))
     entry = tokens.logprob_entry("eggs", top=3, as_ids=True)
     assert entry["token"] == f"token_id:{tokens.token_id('eggs')}"
-    assert [e["logprob"] for e in entry["top_logprobs"]] == sorted((e["logprob"] for e in entry["top_logprobs"]), reverse=True)
+    assert [e["logprob"] for e in entry["top_logprobs"]] == sorted(
+        (e["logprob"] for e in entry["top_logprobs"]), reverse=True
+    )
     assert tokens.logprob_entry("\ud800x")["bytes"]  # a lone surrogate from JSON does not crash
     assert tokens.prompt_count(0) == 1 and tokens.prompt_count(400) == 100

@@ -53,7 +53,9 @@ def test_bad_input_is_a_usage_error(tmp_path):
 
 @requires_data
 def test_models_from_arguments():
-    model = command.build_model(parse("--scripted", "--latency-ms", "250", "--completion-tokens", "9", "--payload-bytes", "64"))
+    model = command.build_model(
+        parse("--scripted", "--latency-ms", "250", "--completion-tokens", "9", "--payload-bytes", "64")
+    )
     assert (model.latency_s, model.completion_tokens, model.payload_bytes) == (0.25, 9, 64)
     model = command.build_model(parse("--replay", f"{SOLUTIONS}#6b_verification", "--payload-bytes", "8"))
     assert model.name == "replay:6b_verification" and len(model.solutions) == 1319 and model.payload_bytes == 8
@@ -66,7 +68,9 @@ def test_errors_through_the_entry_point_are_one_line_exit_2():
         (["--replay", "/nonexistent/solutions.jsonl#x"], "cannot read /nonexistent/solutions.jsonl"),
         (["--scripted", "--host", "256.0.0.1"], "cannot bind 256.0.0.1:0"),
     ]:
-        done = subprocess.run([sys.executable, "-c", MAIN, "serve-model", *argv], capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-c", MAIN, "serve-model", *argv], capture_output=True, text=True, timeout=60
+        )
         assert done.returncode == 2, done.stderr
         assert done.stderr.startswith("lowwater serve-model: error: ") and message in done.stderr
         assert done.stderr.count("\n") == 1 and done.stdout == ""
@@ -77,7 +81,9 @@ def test_errors_through_the_entry_point_are_one_line_exit_2():
 def test_serves_until_ctrl_c_or_sigterm(stop):
     with subprocess.Popen(
         [sys.executable, "-c", MAIN, "serve-model", "--replay", f"{SOLUTIONS}#175b_verification"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     ) as proc:
         try:
             url = proc.stdout.readline().strip()
@@ -87,7 +93,9 @@ def test_serves_until_ctrl_c_or_sigterm(stop):
             if stop == signal.SIGINT:
                 busy = subprocess.run(
                     [sys.executable, "-c", MAIN, "serve-model", "--scripted", "--port", url.rsplit(":", 1)[1]],
-                    capture_output=True, text=True, timeout=60,
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
                 )
                 assert busy.returncode == 2 and "cannot bind" in busy.stderr
             proc.send_signal(stop)

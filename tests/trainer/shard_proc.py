@@ -38,7 +38,9 @@ async def main(role: str) -> None:
                 refs = []
                 for i in range(cmd["n"]):
                     data = np.arange(cmd["elems"], dtype=np.int64) + cmd["make"] * 1_000_000 + i * 1000
-                    refs.append(app.put(f"step{cmd['make']}/{i}", data, dtype="int64", shape=(1, cmd["elems"])).to_json())
+                    refs.append(
+                        app.put(f"step{cmd['make']}/{i}", data, dtype="int64", shape=(1, cmd["elems"])).to_json()
+                    )
                 reply = {"refs": refs}
             else:
                 views = await app.fetch([ShardRef.from_json(r) for r in cmd["fetch"]])

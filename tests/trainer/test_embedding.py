@@ -14,8 +14,11 @@ from lowwater.trainer.shards import ShardConsumer
 
 def test_async_steps_leave_store_buffers_and_registry_empty():
     async def main():
-        async with Lowwater.open(TrainerConfig(group_size=2, concurrency=2)) as lw, \
-                httpx.AsyncClient(timeout=30) as client, trio.open_nursery() as nursery:
+        async with (
+            Lowwater.open(TrainerConfig(group_size=2, concurrency=2)) as lw,
+            httpx.AsyncClient(timeout=30) as client,
+            trio.open_nursery() as nursery,
+        ):
             consumer = ShardConsumer(client)
             address = await nursery.start(serve, consumer)
             for step in range(3):
@@ -27,7 +30,7 @@ def test_async_steps_leave_store_buffers_and_registry_empty():
                 views = await consumer.fetch(batch.refs)
                 arrays = [np.frombuffer(v, v.dtype).reshape(v.shape) for v in views]
                 for g in range(3):
-                    ids, logprobs, mask, offsets, rewards, advantages = arrays[g * 6:(g + 1) * 6]
+                    ids, logprobs, mask, offsets, rewards, advantages = arrays[g * 6 : (g + 1) * 6]
                     assert ids.dtype == np.int64 and logprobs.dtype == np.float32 and mask.dtype == np.uint8
                     assert len(ids) == len(logprobs) == len(mask) == offsets[-1] > 0  # token ids were captured
                     assert list(rewards) == [1.0, 1.0] and list(advantages) == [0.0, 0.0]
@@ -65,8 +68,7 @@ def test_groups_in_env_workers_upload_their_shards_to_the_trainer(tmp_path):
 
     async def main():
         config = TrainerConfig(group_size=2, concurrency=2, workers=2)
-        async with Lowwater.open(config) as lw, httpx.AsyncClient(timeout=30) as client, \
-                trio.open_nursery() as nursery:
+        async with Lowwater.open(config) as lw, httpx.AsyncClient(timeout=30) as client, trio.open_nursery() as nursery:
             consumer = ShardConsumer(client)
             address = await nursery.start(serve, consumer)
             for step in range(2):

@@ -42,7 +42,9 @@ class SessionMachine(RuleBasedStateMachine):
         self.counter = 0
 
     def _store(self) -> SessionStore:
-        config = SessionConfig(session_timeout_s=TIMEOUT, cleanup_interval_s=1, dump_dir=Path(self.tmp.name) if self.dump else None)
+        config = SessionConfig(
+            session_timeout_s=TIMEOUT, cleanup_interval_s=1, dump_dir=Path(self.tmp.name) if self.dump else None
+        )
         store = SessionStore(config, clock=self.clock, free_shards=lambda ids: self.freed.extend(ids) or len(ids))
         if hasattr(self, "store"):
             # Carry the sessions over (the same store object, new config).
@@ -57,7 +59,14 @@ class SessionMachine(RuleBasedStateMachine):
         self.counter += 1
         sid, key = self.store.start_session(group_id=group, session_id=f"s{self.counter}")
         assert sid == f"s{self.counter}"
-        self.model[sid] = {"key": key, "group": group or sid, "items": [], "reward": None, "active": self.clock.now, "shards": set()}
+        self.model[sid] = {
+            "key": key,
+            "group": group or sid,
+            "items": [],
+            "reward": None,
+            "active": self.clock.now,
+            "shards": set(),
+        }
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), text=st.text(max_size=20), ntok=st.integers(0, 4))
@@ -70,7 +79,9 @@ class SessionMachine(RuleBasedStateMachine):
                 self.store.add_interaction(sid, Interaction({"role": "user", "content": text}, {"content": text}))
             return
         assert self.store.session_for_key(m["key"]) == sid
-        self.store.add_interaction(sid, Interaction({"role": "user", "content": text}, {"content": text[::-1]}, tokens, [-0.5] * ntok))
+        self.store.add_interaction(
+            sid, Interaction({"role": "user", "content": text}, {"content": text[::-1]}, tokens, [-0.5] * ntok)
+        )
         m["items"].append((text, tokens))
         m["active"] = self.clock.now
         if ntok:
@@ -182,7 +193,11 @@ def test_dump_failure_still_frees_the_session(tmp_path):
     freed = []
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the dump dir should be")
-    store = SessionStore(SessionConfig(session_timeout_s=10, dump_dir=blocker), clock=clock, free_shards=lambda ids: freed.extend(ids) or len(ids))
+    store = SessionStore(
+        SessionConfig(session_timeout_s=10, dump_dir=blocker),
+        clock=clock,
+        free_shards=lambda ids: freed.extend(ids) or len(ids),
+    )
     sid, key = store.start_session()
     store.add_interaction(sid, Interaction({"content": "hi"}, {"content": "yo"}, [1, 2], [-1.0, -2.0]))
     store.attach_shards(sid, ["a", "b"])
@@ -195,7 +210,9 @@ def test_dump_failure_still_frees_the_session(tmp_path):
 
 def test_cleanup_loop_runs_on_schedule_and_survives_a_failing_pass(tmp_path, caplog):
     async def main():
-        store = SessionStore(SessionConfig(session_timeout_s=0.01, cleanup_interval_s=0.01, dump_dir=tmp_path), clock=trio.current_time)
+        store = SessionStore(
+            SessionConfig(session_timeout_s=0.01, cleanup_interval_s=0.01, dump_dir=tmp_path), clock=trio.current_time
+        )
         calls = {"n": 0}
         real = store.cleanup_pass
 

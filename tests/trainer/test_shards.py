@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import httpx
+import hypothesis.strategies as st
 import numpy as np
 import orjson
-import hypothesis.strategies as st
 import pytest
 import trio
 from hypothesis import given, settings
@@ -95,7 +95,9 @@ def test_put_get_delete_over_http_raw_bytes():
         r = await client.post(f"http://{store.address}/shards/batch", content=orjson.dumps({"ids": ["a/b"]}))
         [(meta, payload)] = decode_batch(r.content)
         assert meta == {"id": "a/b", "dtype": "int32", "shape": [2, 3], "nbytes": 24} and bytes(payload) == data
-        r = await client.request("DELETE", f"http://{store.address}/shards", content=orjson.dumps({"ids": ["a/b", "nope"]}))
+        r = await client.request(
+            "DELETE", f"http://{store.address}/shards", content=orjson.dumps({"ids": ["a/b", "nope"]})
+        )
         assert r.json()["removed"] == 1 and r.json()["stats"]["entries"] == 0
 
     trio.run(_with_owner, body)

@@ -92,7 +92,9 @@ class ToyJob(WorkerJob):
                 os.environ["MALLOC_ARENA_MAX"] = args[1]
             row["arenas"] = await trio.to_thread.run_sync(_arenas_after_threads, int(args[0]))
         elif kind == "modules":
-            row["modules"] = sorted(m for m in sys.modules if m.split(".")[0] in ("pytest", "_pytest", "httpx", "numpy"))
+            row["modules"] = sorted(
+                m for m in sys.modules if m.split(".")[0] in ("pytest", "_pytest", "httpx", "numpy")
+            )
             row["main"] = getattr(sys.modules.get("__main__"), "__file__", None)
         elif kind == "cancel-aware":
             try:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import trio  # noqa: E402
+import trio
 
-from lowwater.workers import JobSpec, WorkerPool  # noqa: E402
-from workers import jobs  # noqa: E402
+from lowwater.workers import JobSpec, WorkerPool
+from workers import jobs
 
 busy: dict[int, int] = {}
 
@@ -24,13 +24,23 @@ def on_event(name, fields):
     if name == "dispatch":
         busy[fields["wid"]] = fields["pid"]
         if len(busy) == 2:
-            print(json.dumps({"workers": sorted(busy.values()), "forkserver": forkserver._forkserver._forkserver_pid}), flush=True)
+            print(
+                json.dumps({"workers": sorted(busy.values()), "forkserver": forkserver._forkserver._forkserver_pid}),
+                flush=True,
+            )
 
 
 async def on_rows(rows, info):
     pass
 
 
-pool = WorkerPool(JobSpec(jobs.FACTORY), workers=2, concurrency_per_worker=1, heartbeat_s=0.2,
-                  heartbeat_timeout_s=600, orphan_grace_s=1.0, on_event=on_event)
+pool = WorkerPool(
+    JobSpec(jobs.FACTORY),
+    workers=2,
+    concurrency_per_worker=1,
+    heartbeat_s=0.2,
+    heartbeat_timeout_s=600,
+    orphan_grace_s=1.0,
+    on_event=on_event,
+)
 trio.run(pool.run, ["block:600:99", "sleep:600"], on_rows)

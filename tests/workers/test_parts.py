@@ -28,7 +28,10 @@ def _pair() -> tuple[FramedStream, FramedStream]:
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=40)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**53), 2**53)
+    | st.text(max_size=40)
     | st.floats(allow_nan=False, allow_infinity=False),
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
     max_leaves=20,
@@ -41,6 +44,7 @@ def test_frames_round_trip(messages):
     async def main():
         left, right = _pair()
         async with trio.open_nursery() as nursery:
+
             async def send_all():
                 for m in messages:
                     await left.send(m)
@@ -62,6 +66,7 @@ def test_large_frames_and_many_frames_in_one_write():
         big = {"rows": [{"x": "y" * 1000}] * 300}  # ~300 KB: several reads
         small = [{"i": i} for i in range(50)]
         async with trio.open_nursery() as nursery:
+
             async def writer():
                 await left.send_frame(b"".join(encode(m) for m in small))
                 await left.send(big)
@@ -104,7 +109,16 @@ def test_unserialisable_and_oversized_messages_are_refused():
 
 def test_hysteresis_holds_above_high_and_releases_below_low():
     h = Hysteresis(high=100, low=80)
-    assert [h.update(v) for v in (50, 99, 100, 90, 81, 80, 95, 120)] == [False, False, True, True, True, False, False, True]
+    assert [h.update(v) for v in (50, 99, 100, 90, 81, 80, 95, 120)] == [
+        False,
+        False,
+        True,
+        True,
+        True,
+        False,
+        False,
+        True,
+    ]
     assert h.holds == 2
     with pytest.raises(ValueError):
         Hysteresis(high=10, low=20)
@@ -113,15 +127,27 @@ def test_hysteresis_holds_above_high_and_releases_below_low():
 def test_pool_admission_marks():
     adm = PoolAdmission(worker_high_bytes=100, worker_low_bytes=None, limit_bytes=1000)
     assert adm.worker_low == 80
-    assert adm.worker(1, 120) == (True, True) and adm.worker(1, 90) == (True, False) and adm.worker(1, 70) == (False, True)
-    assert adm.update_pool(900) == (True, True) and adm.update_pool(760) == (True, False) and adm.update_pool(750) == (False, True)
+    assert (
+        adm.worker(1, 120) == (True, True) and adm.worker(1, 90) == (True, False) and adm.worker(1, 70) == (False, True)
+    )
+    assert (
+        adm.update_pool(900) == (True, True)
+        and adm.update_pool(760) == (True, False)
+        and adm.update_pool(750) == (False, True)
+    )
     adm.worker(2, 500)
     adm.retire(2)
     assert adm.worker_holds == 2 and not adm.worker_held(2)
     no_worker_marks = PoolAdmission(worker_high_bytes=None, worker_low_bytes=None, limit_bytes=1000)
     assert no_worker_marks.worker(1, 10**12) == (False, False)
     with pytest.raises(ValueError):
-        PoolAdmission(worker_high_bytes=None, worker_low_bytes=None, limit_bytes=1000, pool_high_fraction=0.5, pool_low_fraction=0.6)
+        PoolAdmission(
+            worker_high_bytes=None,
+            worker_low_bytes=None,
+            limit_bytes=1000,
+            pool_high_fraction=0.5,
+            pool_low_fraction=0.6,
+        )
     with pytest.raises(ValueError):
         PoolAdmission(worker_high_bytes=None, worker_low_bytes=50, limit_bytes=1000)
 
@@ -138,7 +164,10 @@ def test_memory_limit_prefers_the_smallest_cgroup_limit(tmp_path):
     (root / "memory" / "job" / "abc").mkdir(parents=True)
     (root / "memory" / "job" / "abc" / "memory.limit_in_bytes").write_text(f"{2 << 30}\n")
     (root / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
-    assert memory_limit_bytes(root, proc) == (min(2 << 30, total), f"cgroup-v1:{root}/memory/job/abc/memory.limit_in_bytes" if (2 << 30) < total else "machine")
+    assert memory_limit_bytes(root, proc) == (
+        min(2 << 30, total),
+        f"cgroup-v1:{root}/memory/job/abc/memory.limit_in_bytes" if (2 << 30) < total else "machine",
+    )
     # v2 at the root of a container: "max" means no limit.
     (proc / "self" / "cgroup").write_text("0::/\n")
     (root / "memory.max").write_text("max\n")
@@ -180,8 +209,13 @@ def test_job_spec_and_factory_loading():
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"workers": 0}, {"concurrency_per_worker": 0}, {"max_tasks_per_worker": 0}, {"jitter": 1.0},
-        {"max_rss_mb": -1}, {"heartbeat_s": 2.0, "heartbeat_timeout_s": 1.0}, {"high_water_mb": 10, "low_water_mb": 20},
+        {"workers": 0},
+        {"concurrency_per_worker": 0},
+        {"max_tasks_per_worker": 0},
+        {"jitter": 1.0},
+        {"max_rss_mb": -1},
+        {"heartbeat_s": 2.0, "heartbeat_timeout_s": 1.0},
+        {"high_water_mb": 10, "low_water_mb": 20},
         {"pool_high_water_fraction": 0.5, "pool_low_water_fraction": 0.7},
     ],
 )

@@ -115,7 +115,9 @@ def test_recycles_by_current_rss():
     tasks = [f"leak:30:{i}" for i in range(8)]
     # A fresh worker is ~25 MiB; each task keeps 30 MiB more, so a worker
     # passes 100 MiB after two or three tasks and is recycled.
-    report, _ = run_pool(tasks, rec, workers=1, concurrency_per_worker=1, max_tasks_per_worker=None, max_rss_mb=100, jitter=0)
+    report, _ = run_pool(
+        tasks, rec, workers=1, concurrency_per_worker=1, max_tasks_per_worker=None, max_rss_mb=100, jitter=0
+    )
     rec.one_row_per_task(tasks)
     per_pid = Counter(info.pid for _, info in rec.rows)
     assert max(per_pid.values()) <= 3
@@ -144,8 +146,16 @@ def test_worker_admission_holds_and_releases():
     snapshots = []
 
     async def main():
-        pool = WorkerPool(SPEC, workers=1, concurrency_per_worker=2, max_tasks_per_worker=None,
-                          high_water_mb=120, low_water_mb=80, on_event=rec.on_event, **FAST)
+        pool = WorkerPool(
+            SPEC,
+            workers=1,
+            concurrency_per_worker=2,
+            max_tasks_per_worker=None,
+            high_water_mb=120,
+            low_water_mb=80,
+            on_event=rec.on_event,
+            **FAST,
+        )
 
         async def on_rows(rows, info):
             snapshots.append(pool.stats())
@@ -178,7 +188,9 @@ def test_pool_admission_against_the_memory_limit():
     # hold takes the pool far above the high-water mark.
     limit = (parent + 60 + 60) / 0.75
     tasks = ["hold:300:2.0"] + [f"sleep:0.3:{i}" for i in range(4)]
-    report, _ = run_pool(tasks, rec, workers=1, concurrency_per_worker=2, max_tasks_per_worker=None, memory_limit_mb=limit)
+    report, _ = run_pool(
+        tasks, rec, workers=1, concurrency_per_worker=2, max_tasks_per_worker=None, memory_limit_mb=limit
+    )
     rec.one_row_per_task(tasks)
     names = [n for n, _ in rec.events]
     held, released = names.index("pool_held"), names.index("pool_released")
@@ -199,6 +211,7 @@ def test_sigkill_mid_run_reruns_in_flight_tasks():
     async def main():
         pool = WorkerPool(SPEC, workers=2, concurrency_per_worker=2, on_event=on_event, **FAST)
         async with trio.open_nursery() as nursery:
+
             async def killer():
                 while "pid" not in victim:
                     await trio.sleep(0.01)
@@ -302,6 +315,7 @@ def test_cancellation_delivers_rows_of_cancelled_tasks_and_stops_workers():
         pool = WorkerPool(SPEC, workers=1, concurrency_per_worker=4, on_event=rec.on_event, **FAST)
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
+
                 async def cancel_when_dispatched():
                     while sum(n == "dispatch" for n, _ in rec.events) < 3:
                         await trio.sleep(0.01)
@@ -323,8 +337,9 @@ def test_cancellation_delivers_rows_of_cancelled_tasks_and_stops_workers():
 
 def test_setup_failure_raises_worker_start_error():
     rec = Recorder()
-    pool = WorkerPool(JobSpec(jobs.FACTORY, {"fail_setup": True}), workers=1, max_start_failures=2,
-                      on_event=rec.on_event, **FAST)
+    pool = WorkerPool(
+        JobSpec(jobs.FACTORY, {"fail_setup": True}), workers=1, max_start_failures=2, on_event=rec.on_event, **FAST
+    )
     with pytest.raises(WorkerStartError, match="setup refused"):
         trio.run(pool.run, ["ok:1"], rec.on_rows)
     assert rec.rows == []
@@ -404,8 +419,13 @@ def test_a_blocked_parent_does_not_time_its_workers_out():
             time.sleep(1.5)  # the parent's loop is blocked past heartbeat_timeout_s
 
     tasks = ["ok:1", "sleep:0.2:2", "ok:3"]
-    pool = WorkerPool(SPEC, workers=1, concurrency_per_worker=1, on_event=rec.on_event,
-                      **{**FAST, "heartbeat_s": 0.1, "heartbeat_timeout_s": 1.0})
+    pool = WorkerPool(
+        SPEC,
+        workers=1,
+        concurrency_per_worker=1,
+        on_event=rec.on_event,
+        **{**FAST, "heartbeat_s": 0.1, "heartbeat_timeout_s": 1.0},
+    )
     report = trio.run(pool.run, tasks, on_rows)
     rec.one_row_per_task(tasks)
     assert report.replaced_after_heartbeat_timeout == 0 and report.workers_started == 1

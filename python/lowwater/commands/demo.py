@@ -22,7 +22,6 @@ import array
 import base64
 import json
 import random
-import sys
 from typing import Any
 
 import psutil
@@ -39,7 +38,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=12, help="model calls per rollout (default 12)")
     p.add_argument("--image-kb", type=int, default=150, help="base64 image per turn, KiB (default 150)")
     p.add_argument(
-        "--seq-len", type=int, default=131072,
+        "--seq-len",
+        type=int,
+        default=131072,
         help="tokens per rollout (default 131072: an int64 shard of 1 MiB, at the mmap threshold)",
     )
     p.add_argument("--seed", type=int, default=0)
@@ -72,7 +73,10 @@ def _intercept_step(table: InterceptTable, step: int, args: argparse.Namespace, 
         history: list[dict[str, Any]] = [{"role": "system", "content": "You are a browsing agent."}]
         for turn in range(args.turns):
             history.append(
-                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}}]}
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}}],
+                }
             )
             body = json.dumps({"model": "demo", "messages": history}).encode()
             request_id = f"{rollout_id}-call{turn}"
@@ -97,7 +101,11 @@ def _shard_step(buffer: FetchBuffer, step: int, args: argparse.Namespace, rng: r
         tokens = array.array("q", range(first, first + args.seq_len))
         logprobs = array.array("f", [-rng.random()]) * args.seq_len
         mask = bytes([1, 1, 0]) * (args.seq_len // 3) + bytes(args.seq_len % 3)
-        for name, data, dtype in (("tokens", tokens, "int64"), ("logprobs", logprobs, "float32"), ("mask", mask, "uint8")):
+        for name, data, dtype in (
+            ("tokens", tokens, "int64"),
+            ("logprobs", logprobs, "float32"),
+            ("mask", mask, "uint8"),
+        ):
             shard_id = f"step{step}/rollout{r}/{name}"
             buffer.put(shard_id, data, dtype=dtype, shape=(1, args.seq_len), owner="127.0.0.1:0")
             ids.append(shard_id)

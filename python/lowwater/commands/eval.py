@@ -36,27 +36,39 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--model-url", help="base URL of an OpenAI-compatible server (ending in /v1)")
     p.add_argument("--api-key-env", help="environment variable holding the model server's API key")
     p.add_argument("--data", help="dataset file for environments that read one (e.g. gsm8k)")
-    p.add_argument("--env-option", action="append", default=[], metavar="KEY=VALUE", help="environment option (repeatable)")
+    p.add_argument(
+        "--env-option", action="append", default=[], metavar="KEY=VALUE", help="environment option (repeatable)"
+    )
     p.add_argument("-n", "--rollouts", type=int, help="tasks to run from the start of the taskset (default: all)")
     p.add_argument("--group-size", type=int, default=1, help="rollouts per task (default 1)")
     p.add_argument("-c", "--concurrency", type=int, default=32, help="rollouts in flight (default 32)")
     p.add_argument("--max-turns", type=int, default=16, help="model calls per rollout (default 16)")
     p.add_argument("--timeout", type=float, default=600.0, help="whole-rollout deadline in seconds (default 600)")
     p.add_argument("--harness", choices=("inprocess", "program"), default="inprocess")
-    p.add_argument("--persistent", action=argparse.BooleanOptionalAction, default=True, help="runtimes from a pool (default on)")
+    p.add_argument(
+        "--persistent", action=argparse.BooleanOptionalAction, default=True, help="runtimes from a pool (default on)"
+    )
     p.add_argument("--out", type=Path, help="results JSONL (default runs/<env>-<time>.jsonl)")
     p.add_argument("--resume", action="store_true", help="continue --out: skip finished tasks, re-run errored ones")
     p.add_argument("--max-attempts", type=int, default=3, help="runs that may attempt an errored task (default 3)")
     p.add_argument("--summary-json", type=Path, help="write the summary figures as JSON here")
     p.add_argument("--memory-plot", type=Path, metavar="PATH.png", help="plot RSS over the run as a PNG")
     p.add_argument("--seed", type=int, default=0, help="seed for generated tasksets (default 0)")
-    p.add_argument("--workers", type=int, default=0,
-                   help="env worker processes (default 0: every rollout in this process)")
-    p.add_argument("--max-tasks-per-worker", type=int, default=500,
-                   help="a worker retires after this many tasks, jittered (default 500)")
+    p.add_argument(
+        "--workers", type=int, default=0, help="env worker processes (default 0: every rollout in this process)"
+    )
+    p.add_argument(
+        "--max-tasks-per-worker",
+        type=int,
+        default=500,
+        help="a worker retires after this many tasks, jittered (default 500)",
+    )
     p.add_argument("--max-rss-mb", type=float, help="a worker retires past this current RSS in MiB (default: never)")
-    p.add_argument("--high-water-mb", type=float,
-                   help="a worker above this RSS in MiB gets no new rollouts until it drops to 80 %% of it")
+    p.add_argument(
+        "--high-water-mb",
+        type=float,
+        help="a worker above this RSS in MiB gets no new rollouts until it drops to 80 %% of it",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
@@ -83,10 +95,23 @@ def build_config(args: argparse.Namespace) -> Any:
         raise UsageError("--resume needs --out (the results file to continue)")
     try:
         return EvalConfig(
-            env=args.env, env_options=options, model=model, rollouts=args.rollouts, group_size=args.group_size,
-            concurrency=args.concurrency, max_turns=args.max_turns, timeout_s=args.timeout, harness=args.harness,
-            persistent=args.persistent, out=out, resume=args.resume, max_attempts=args.max_attempts, seed=args.seed,
-            workers=args.workers, max_tasks_per_worker=args.max_tasks_per_worker, max_rss_mb=args.max_rss_mb,
+            env=args.env,
+            env_options=options,
+            model=model,
+            rollouts=args.rollouts,
+            group_size=args.group_size,
+            concurrency=args.concurrency,
+            max_turns=args.max_turns,
+            timeout_s=args.timeout,
+            harness=args.harness,
+            persistent=args.persistent,
+            out=out,
+            resume=args.resume,
+            max_attempts=args.max_attempts,
+            seed=args.seed,
+            workers=args.workers,
+            max_tasks_per_worker=args.max_tasks_per_worker,
+            max_rss_mb=args.max_rss_mb,
             high_water_mb=args.high_water_mb,
         )
     except ValueError as exc:
@@ -97,8 +122,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from lowwater import eval as eval_mod
-    from lowwater.plugins import UnknownName
     from lowwater.eval.results import ResultsFileError
+    from lowwater.plugins import UnknownName
     from lowwater.upstream.spec import UpstreamError
 
     if args.memory_plot is not None:
@@ -128,8 +153,11 @@ def run(args: argparse.Namespace) -> int:
     if report is None:
         import signal
 
-        print(f"lowwater eval: interrupted by {signal.Signals(signum).name}; finished rows are in {config.out}, "
-              f"in-flight ones were written as cancelled; add --resume to continue", file=sys.stderr)
+        print(
+            f"lowwater eval: interrupted by {signal.Signals(signum).name}; finished rows are in {config.out}, "
+            f"in-flight ones were written as cancelled; add --resume to continue",
+            file=sys.stderr,
+        )
         return 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
     _print_summary(Console(), report, config)
     if args.summary_json is not None:
@@ -157,9 +185,14 @@ class _Progress:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.progress = Progress(
-            TextColumn("[bold]eval"), BarColumn(), TextColumn("{task.completed} rollouts"),
-            TextColumn("{task.fields[errors]} errors"), TextColumn("{task.fields[rate]:.1f}/s"),
-            TextColumn("RSS {task.fields[rss_mb]:.0f} MiB"), TimeElapsedColumn(), console=console,
+            TextColumn("[bold]eval"),
+            BarColumn(),
+            TextColumn("{task.completed} rollouts"),
+            TextColumn("{task.fields[errors]} errors"),
+            TextColumn("{task.fields[rate]:.1f}/s"),
+            TextColumn("RSS {task.fields[rss_mb]:.0f} MiB"),
+            TimeElapsedColumn(),
+            console=console,
         )
         self.task = self.progress.add_task("eval", total=None, errors=0, rate=0.0, rss_mb=0.0)
         self.started = time.perf_counter()
@@ -174,8 +207,11 @@ class _Progress:
     def update(self, totals: Any, rss: int) -> None:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         self.progress.update(
-            self.task, completed=totals.this_run, errors=sum(totals.errors.values()),
-            rate=totals.this_run / elapsed, rss_mb=rss / (1 << 20),
+            self.task,
+            completed=totals.this_run,
+            errors=sum(totals.errors.values()),
+            rate=totals.this_run / elapsed,
+            rss_mb=rss / (1 << 20),
         )
 
 
@@ -188,21 +224,34 @@ def _print_summary(console: Any, report: Any, config: Any) -> None:
     table = Table(title=f"lowwater eval {config.env} ({config.model.name})", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
-    errors = ", ".join(f"{c} {report.errors_by_class[c]}" for c in ERROR_CLASSES if report.errors_by_class.get(c)) or "none"
+    errors = (
+        ", ".join(f"{c} {report.errors_by_class[c]}" for c in ERROR_CLASSES if report.errors_by_class.get(c)) or "none"
+    )
     for label, value in (
-        ("rollouts", s["rollouts"]), ("completed", s["completed"]), ("errors", f"{s['errors']} ({errors})"),
-        ("accuracy", f"{100 * s['accuracy']:.2f} %"), ("mean reward", f"{s['reward_mean']:.4f}"),
-        ("mean turns", f"{s['turns_mean']:.2f}"), ("wall time", f"{s['wall_s']:.2f} s"),
+        ("rollouts", s["rollouts"]),
+        ("completed", s["completed"]),
+        ("errors", f"{s['errors']} ({errors})"),
+        ("accuracy", f"{100 * s['accuracy']:.2f} %"),
+        ("mean reward", f"{s['reward_mean']:.4f}"),
+        ("mean turns", f"{s['turns_mean']:.2f}"),
+        ("wall time", f"{s['wall_s']:.2f} s"),
         ("rollouts/s", f"{s['rollouts_per_s']:.2f}"),
-        ("RSS baseline / peak / resting", f"{s['rss_baseline_mb']:.1f} / {s['rss_peak_mb']:.1f} / {s['rss_resting_mb']:.1f} MiB"),
+        (
+            "RSS baseline / peak / resting",
+            f"{s['rss_baseline_mb']:.1f} / {s['rss_peak_mb']:.1f} / {s['rss_resting_mb']:.1f} MiB",
+        ),
         ("results", str(report.out)),
     ):
         table.add_row(label, str(value))
     if report.pool is not None:
         p = report.pool
-        table.add_row("workers started / recycled", f"{p['workers_started']} / {p['recycled_by_count'] + p['recycled_by_rss']}")
-        table.add_row("worker crashes / tasks re-run",
-                      f"{p['replaced_after_crash'] + p['replaced_after_heartbeat_timeout']} / {p['retried_tasks']}")
+        table.add_row(
+            "workers started / recycled", f"{p['workers_started']} / {p['recycled_by_count'] + p['recycled_by_rss']}"
+        )
+        table.add_row(
+            "worker crashes / tasks re-run",
+            f"{p['replaced_after_crash'] + p['replaced_after_heartbeat_timeout']} / {p['retried_tasks']}",
+        )
         table.add_row("admission held rollouts back", f"{p['admission_wait_s']:.2f} s ({p['admission_holds']} holds)")
         table.add_row("worker RSS peak", f"{p['worker_rss_peak_mb']:.1f} MiB")
     console.print(table)

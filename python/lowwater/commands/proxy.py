@@ -99,28 +99,58 @@ def _session_config(**kwargs: Any) -> Any:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("proxy", help="run the interception server as a standalone recording proxy")
-    p.add_argument("--upstream", required=True, metavar="URL",
-                   help="the model server's base URL, with /v1 (e.g. http://127.0.0.1:8000/v1)")
-    p.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT", help=f"address to serve on (default {DEFAULT_LISTEN})")
-    p.add_argument("--out", default="lowwater-proxy", metavar="DIR",
-                   help=f"directory for {TRAJECTORIES_FILE} (default ./lowwater-proxy)")
-    p.add_argument("--admin-key-env", default="LOWWATER_ADMIN_KEY", metavar="VAR",
-                   help="environment variable holding the admin key (default LOWWATER_ADMIN_KEY)")
+    p.add_argument(
+        "--upstream",
+        required=True,
+        metavar="URL",
+        help="the model server's base URL, with /v1 (e.g. http://127.0.0.1:8000/v1)",
+    )
+    p.add_argument(
+        "--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT", help=f"address to serve on (default {DEFAULT_LISTEN})"
+    )
+    p.add_argument(
+        "--out",
+        default="lowwater-proxy",
+        metavar="DIR",
+        help=f"directory for {TRAJECTORIES_FILE} (default ./lowwater-proxy)",
+    )
+    p.add_argument(
+        "--admin-key-env",
+        default="LOWWATER_ADMIN_KEY",
+        metavar="VAR",
+        help="environment variable holding the admin key (default LOWWATER_ADMIN_KEY)",
+    )
     p.add_argument("--upstream-key-env", metavar="VAR", help="environment variable holding the upstream's API key")
     p.add_argument("--model", help="replace the model name of every forwarded request")
-    p.add_argument("--max-concurrency", type=int, default=1024, help="upstream requests in flight at once (default 1024)")
+    p.add_argument(
+        "--max-concurrency", type=int, default=1024, help="upstream requests in flight at once (default 1024)"
+    )
     p.add_argument("--timeout-s", type=float, default=600.0, help="upstream read timeout, seconds (default 600)")
     p.add_argument("--retries", type=int, default=3, help="retries on connect errors, 429 and 5xx (default 3)")
     p.add_argument("--max-body-mib", type=float, default=64, help="request body limit, MiB (default 64)")
-    p.add_argument("--request-logprobs", action="store_true",
-                   help="ask the upstream for token ids and logprobs (vLLM/SGLang)")
-    p.add_argument("--sessions", action="store_true",
-                   help="keep each rollout's calls as a session until its reward is set and it is exported")
-    p.add_argument("--session-timeout-s", type=float, default=3600.0,
-                   help="a session idle this long is stale and removed (default 3600)")
-    p.add_argument("--cleanup-interval-s", type=float, default=60.0,
-                   help="seconds between stale-session cleanup passes (default 60)")
-    p.add_argument("--dump-dir", metavar="DIR", help="write stale sessions here before freeing them (default: not written)")
+    p.add_argument(
+        "--request-logprobs", action="store_true", help="ask the upstream for token ids and logprobs (vLLM/SGLang)"
+    )
+    p.add_argument(
+        "--sessions",
+        action="store_true",
+        help="keep each rollout's calls as a session until its reward is set and it is exported",
+    )
+    p.add_argument(
+        "--session-timeout-s",
+        type=float,
+        default=3600.0,
+        help="a session idle this long is stale and removed (default 3600)",
+    )
+    p.add_argument(
+        "--cleanup-interval-s",
+        type=float,
+        default=60.0,
+        help="seconds between stale-session cleanup passes (default 60)",
+    )
+    p.add_argument(
+        "--dump-dir", metavar="DIR", help="write stale sessions here before freeing them (default: not written)"
+    )
     p.set_defaults(func=run)
     return p
 
@@ -166,8 +196,10 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
     host, port = parse_listen(args.listen)
     admin_key = env.get(args.admin_key_env) or None
     if admin_key is None and not is_loopback(host):
-        raise UsageError(f"refusing to listen on {host} without an admin key: set {args.admin_key_env} "
-                         "(or listen on a loopback address)")
+        raise UsageError(
+            f"refusing to listen on {host} without an admin key: set {args.admin_key_env} "
+            "(or listen on a loopback address)"
+        )
     upstream_key = None
     if args.upstream_key_env:
         upstream_key = env.get(args.upstream_key_env)
@@ -181,15 +213,25 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
     out_dir = _writable_dir("--out", args.out)
     dump_dir = _writable_dir("--dump-dir", args.dump_dir) if args.dump_dir else None
     try:
-        sessions = _session_config(session_timeout_s=args.session_timeout_s,
-                                   cleanup_interval_s=args.cleanup_interval_s, dump_dir=dump_dir)
+        sessions = _session_config(
+            session_timeout_s=args.session_timeout_s, cleanup_interval_s=args.cleanup_interval_s, dump_dir=dump_dir
+        )
     except ValueError as exc:
         raise UsageError(f"--{str(exc).replace('_', '-')}") from None
     return ProxyConfig(
-        upstream=args.upstream, host=host, port=port, out_dir=out_dir, admin_key=admin_key,
-        upstream_key=upstream_key, model=args.model, max_concurrency=args.max_concurrency,
-        timeout_s=args.timeout_s, retries=args.retries, max_body_bytes=int(args.max_body_mib * (1 << 20)),
-        request_logprobs=args.request_logprobs, sessions=sessions if args.sessions else None,
+        upstream=args.upstream,
+        host=host,
+        port=port,
+        out_dir=out_dir,
+        admin_key=admin_key,
+        upstream_key=upstream_key,
+        model=args.model,
+        max_concurrency=args.max_concurrency,
+        timeout_s=args.timeout_s,
+        retries=args.retries,
+        max_body_bytes=int(args.max_body_mib * (1 << 20)),
+        request_logprobs=args.request_logprobs,
+        sessions=sessions if args.sessions else None,
     )
 
 
@@ -301,11 +343,16 @@ class Admin:
             if method != "POST":
                 raise HTTPError(405, "use POST to export sessions")
             body = parse_json(await read_body(receive, 16 << 20))
-            if not isinstance(body, dict) or not isinstance(body.get("session_ids"), list) \
-                    or not all(isinstance(i, str) for i in body["session_ids"]):
+            if (
+                not isinstance(body, dict)
+                or not isinstance(body.get("session_ids"), list)
+                or not all(isinstance(i, str) for i in body["session_ids"])
+            ):
                 raise HTTPError(400, 'body must be {"session_ids": [STRING, ...], "discount"?, "style"?}')
             with _session_errors():
-                records = self.store.export(body["session_ids"], body.get("discount", 1.0), body.get("style", "individual"))
+                records = self.store.export(
+                    body["session_ids"], body.get("discount", 1.0), body.get("style", "individual")
+                )
             # Exported sessions' interactions can be large: serialised off the loop.
             payload = await trio.to_thread.run_sync(_dumps, {"records": records})
             return await send_bytes(send, 200, payload, "application/json")
@@ -329,7 +376,9 @@ class Admin:
         if rollout_id in self.trajectories:
             raise HTTPError(409, f"rollout {rollout_id} is already open")
         if self.store is not None and rollout_id in self.store:
-            raise HTTPError(409, f"session {rollout_id} is still held (set its reward and export it, or wait for cleanup)")
+            raise HTTPError(
+                409, f"session {rollout_id} is still held (set its reward and export it, or wait for cleanup)"
+            )
         trajectory = _SessionTrajectory(rollout_id, task_id, group_id)
         slot = self.server.register(trajectory)
         if self.store is not None:
@@ -375,8 +424,15 @@ class Admin:
         from lowwater.trainer.sessions import Interaction, SessionError
 
         try:
-            self.store.add_interaction(trajectory.rollout_id, Interaction(
-                request=turn.request_delta, response=turn.completion, token_ids=turn.token_ids, logprobs=turn.logprobs))
+            self.store.add_interaction(
+                trajectory.rollout_id,
+                Interaction(
+                    request=turn.request_delta,
+                    response=turn.completion,
+                    token_ids=turn.token_ids,
+                    logprobs=turn.logprobs,
+                ),
+            )
         except SessionError:
             pass  # exported, rewarded or stale already: the trajectory line still has the call
 
@@ -451,8 +507,14 @@ class Admin:
 
         stats = self.server.stats()
         upstream = self.server.upstream
-        return {**stats, "upstream": upstream.stats() if upstream is not None else None, "sessions": self.store.stats() if self.store is not None else None,
-                "written": self.written, "trims": self.trimmer.calls, "rss_bytes": rss_bytes()}
+        return {
+            **stats,
+            "upstream": upstream.stats() if upstream is not None else None,
+            "sessions": self.store.stats() if self.store is not None else None,
+            "written": self.written,
+            "trims": self.trimmer.calls,
+            "rss_bytes": rss_bytes(),
+        }
 
 
 class _SessionTrajectory(Trajectory):
@@ -519,11 +581,17 @@ async def serve_proxy(config: ProxyConfig, *, task_status: Any = None) -> None:
     from lowwater.interception import InterceptionServer
     from lowwater.upstream.client import ModelClient
 
-    async with ModelClient(config.upstream, api_key=config.upstream_key, model=config.model,
-                           max_concurrency=config.max_concurrency, timeout_s=config.timeout_s,
-                           retries=config.retries) as client:
-        server = InterceptionServer(client, max_body_bytes=config.max_body_bytes,
-                                    request_logprobs=config.request_logprobs)
+    async with ModelClient(
+        config.upstream,
+        api_key=config.upstream_key,
+        model=config.model,
+        max_concurrency=config.max_concurrency,
+        timeout_s=config.timeout_s,
+        retries=config.retries,
+    ) as client:
+        server = InterceptionServer(
+            client, max_body_bytes=config.max_body_bytes, request_logprobs=config.request_logprobs
+        )
         admin = Admin(server, config.out_dir / TRAJECTORIES_FILE, config.admin_key, config.sessions)
         server.mount("/lowwater/", admin)
         try:
@@ -562,9 +630,12 @@ def run(args: argparse.Namespace) -> int:
         async with trio.open_nursery() as nursery:
             url = await nursery.start(serve_proxy, config)
             admin = "admin key required" if config.admin_key else "no admin key (loopback only)"
-            print(f"lowwater proxy: listening on {url} -> {config.upstream}; "
-                  f"admin at {url}/lowwater/ ({admin}); trajectories to {config.out_dir / TRAJECTORIES_FILE}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"lowwater proxy: listening on {url} -> {config.upstream}; "
+                f"admin at {url}/lowwater/ ({admin}); trajectories to {config.out_dir / TRAJECTORIES_FILE}",
+                file=sys.stderr,
+                flush=True,
+            )
             await trio.sleep_forever()
 
     try:

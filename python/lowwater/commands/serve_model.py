@@ -26,20 +26,26 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="port to bind (default 0: the OS chooses)")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument(
-        "--scripted", action="store_true",
+        "--scripted",
+        action="store_true",
         help="solve the embedded arithmetic problems with calculator calls; filler text for anything else",
     )
     mode.add_argument(
-        "--replay", metavar="PATH#COLUMN",
+        "--replay",
+        metavar="PATH#COLUMN",
         help="serve recorded solutions: COLUMN of the JSONL file PATH, keyed by question text",
     )
     p.add_argument("--latency-ms", type=float, default=0.0, help="delay before each response, ms (default 0)")
     p.add_argument(
-        "--completion-tokens", type=int, default=16,
+        "--completion-tokens",
+        type=int,
+        default=16,
         help="length of the scripted filler answer, tokens (default 16)",
     )
     p.add_argument(
-        "--payload-bytes", type=int, default=0,
+        "--payload-bytes",
+        type=int,
+        default=0,
         help="add a string field of this many bytes to every response (default 0: none)",
     )
     p.set_defaults(func=run)
@@ -61,7 +67,9 @@ def build_model(args: argparse.Namespace) -> Any:
         raise UsageError(f"--payload-bytes must be >= 0, got {args.payload_bytes}")
     latency_s = args.latency_ms / 1000
     if args.scripted:
-        return ScriptedModel(latency_s=latency_s, completion_tokens=args.completion_tokens, payload_bytes=args.payload_bytes)
+        return ScriptedModel(
+            latency_s=latency_s, completion_tokens=args.completion_tokens, payload_bytes=args.payload_bytes
+        )
     path, sep, column = args.replay.rpartition("#")
     if not sep or not path or not column:
         raise UsageError(f"--replay wants PATH#COLUMN, got {args.replay!r}")
@@ -92,14 +100,17 @@ def run(args: argparse.Namespace) -> int:
             url = await nursery.start(serve_model, model, args.host, args.port)
             bound = True
             print(url, flush=True)
-            print(f"lowwater serve-model: {what} at {url} (OpenAI base URL {url}/v1); Ctrl-C to stop",
-                  file=sys.stderr, flush=True)
+            print(
+                f"lowwater serve-model: {what} at {url} (OpenAI base URL {url}/v1); Ctrl-C to stop",
+                file=sys.stderr,
+                flush=True,
+            )
 
     try:
         # Ctrl-C and SIGTERM (how the eval runner stops its child server) end it by cancellation.
         trio.run(until_signal, main)
         print("lowwater serve-model: stopped", file=sys.stderr)
-    except BaseException as exc:  # noqa: BLE001 - sorted below, re-raised unless expected
+    except BaseException as exc:
         leaves = list(_leaves(exc))
         if all(isinstance(e, KeyboardInterrupt) for e in leaves):
             # Ctrl-C is how a server is meant to stop.

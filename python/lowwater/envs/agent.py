@@ -63,7 +63,9 @@ async def chat_tool_loop(
     headers = {"authorization": f"Bearer {api_key}"}
     for _ in range(max_turns):
         body = {"model": model, "messages": messages, "tools": [CALCULATOR_TOOL]}
-        response = await http.post(url, content=orjson.dumps(body), headers=headers | {"content-type": "application/json"})
+        response = await http.post(
+            url, content=orjson.dumps(body), headers=headers | {"content-type": "application/json"}
+        )
         if response.status_code != 200:
             raise RolloutFailed("model", f"model call answered {response.status_code}: {response.text[:200]}")
         try:

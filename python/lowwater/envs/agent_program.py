@@ -19,16 +19,27 @@ import operator
 import os
 import sys
 
-OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-       ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 SYSTEM_PROMPT = (
     "Solve the math word problem step by step. Use the calculator tool for every "
     "arithmetic step. Finish with a last line of the form 'A: <number>'."
 )
-TOOL = {"type": "function", "function": {
-    "name": "calculator",
-    "description": "Evaluate an arithmetic expression (+ - * / // % ** and parentheses).",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression (+ - * / // % ** and parentheses).",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
 
 
 def calc(node):

@@ -48,39 +48,65 @@ def _bakery(rng: random.Random, name: str) -> tuple[str, list[tuple[str, str]]]:
     total = trays * per
     sold = min(sold, total - bag)
     left = total - sold
-    q = (f"{name} bakes {trays} trays of rolls with {per} rolls on each tray. {name} sells {sold} rolls "
-         f"and packs the rest into bags of {bag}. How many full bags does {name} pack?")
-    return q, [(f"{trays}*{per}", f"{name} bakes {{}} rolls."), (f"{total}-{sold}", "{} rolls are left."),
-               (f"{left}//{bag}", "That fills {} bags.")]
+    q = (
+        f"{name} bakes {trays} trays of rolls with {per} rolls on each tray. {name} sells {sold} rolls "
+        f"and packs the rest into bags of {bag}. How many full bags does {name} pack?"
+    )
+    return q, [
+        (f"{trays}*{per}", f"{name} bakes {{}} rolls."),
+        (f"{total}-{sold}", "{} rolls are left."),
+        (f"{left}//{bag}", "That fills {} bags."),
+    ]
 
 
 def _savings(rng: random.Random, name: str) -> tuple[str, list[tuple[str, str]]]:
     weekly, weeks, price, count = rng.randint(5, 60), rng.randint(4, 20), rng.randint(3, 25), rng.randint(2, 6)
-    q = (f"{name} saves ${weekly} every week for {weeks} weeks, then buys {count} books that cost ${price} each. "
-         f"How many dollars does {name} have left?")
+    q = (
+        f"{name} saves ${weekly} every week for {weeks} weeks, then buys {count} books that cost ${price} each. "
+        f"How many dollars does {name} have left?"
+    )
     saved, spent = weekly * weeks, price * count
-    return q, [(f"{weekly}*{weeks}", f"{name} saves ${{}}."), (f"{price}*{count}", "The books cost ${}."),
-               (f"{saved}-{spent}", "{} dollars are left.")]
+    return q, [
+        (f"{weekly}*{weeks}", f"{name} saves ${{}}."),
+        (f"{price}*{count}", "The books cost ${}."),
+        (f"{saved}-{spent}", "{} dollars are left."),
+    ]
 
 
 def _garden(rng: random.Random, name: str) -> tuple[str, list[tuple[str, str]]]:
     # rows * plants is a multiple of 20, so every offered percentage gives whole plants.
-    rows, plants, dead_pct, per_basket = 5 * rng.randint(1, 4), 4 * rng.randint(2, 6), rng.choice([10, 20, 25, 50]), rng.randint(2, 5)
+    rows, plants, dead_pct, per_basket = (
+        5 * rng.randint(1, 4),
+        4 * rng.randint(2, 6),
+        rng.choice([10, 20, 25, 50]),
+        rng.randint(2, 5),
+    )
     total = rows * plants
     lost = total * dead_pct // 100
-    q = (f"{name} plants {rows} rows of tomatoes with {plants} plants in each row. {dead_pct}% of the plants die. "
-         f"Each surviving plant gives {per_basket} tomatoes. How many tomatoes does {name} harvest?")
-    return q, [(f"{rows}*{plants}", "There are {} plants."), (f"{total}*{dead_pct}/100", "{} plants die."),
-               (f"{total}-{lost}", "{} plants survive."), (f"{total - lost}*{per_basket}", "They give {} tomatoes.")]
+    q = (
+        f"{name} plants {rows} rows of tomatoes with {plants} plants in each row. {dead_pct}% of the plants die. "
+        f"Each surviving plant gives {per_basket} tomatoes. How many tomatoes does {name} harvest?"
+    )
+    return q, [
+        (f"{rows}*{plants}", "There are {} plants."),
+        (f"{total}*{dead_pct}/100", "{} plants die."),
+        (f"{total}-{lost}", "{} plants survive."),
+        (f"{total - lost}*{per_basket}", "They give {} tomatoes."),
+    ]
 
 
 def _trip(rng: random.Random, name: str) -> tuple[str, list[tuple[str, str]]]:
     speed, hours, back_speed = rng.randint(30, 90), rng.randint(2, 6), rng.choice([20, 30, 40, 60])
     dist = speed * hours
-    q = (f"{name} drives at {speed} km per hour for {hours} hours, then cycles back the same distance at "
-         f"{back_speed} km per hour. How many hours does the whole trip take?")
-    return q, [(f"{speed}*{hours}", "The distance is {} km."), (f"{dist}/{back_speed}", "Cycling back takes {} hours."),
-               (f"{hours}+{format_result(evaluate(f'{dist}/{back_speed}'))}", "The trip takes {} hours.")]
+    q = (
+        f"{name} drives at {speed} km per hour for {hours} hours, then cycles back the same distance at "
+        f"{back_speed} km per hour. How many hours does the whole trip take?"
+    )
+    return q, [
+        (f"{speed}*{hours}", "The distance is {} km."),
+        (f"{dist}/{back_speed}", "Cycling back takes {} hours."),
+        (f"{hours}+{format_result(evaluate(f'{dist}/{back_speed}'))}", "The trip takes {} hours."),
+    ]
 
 
 Template = Callable[[random.Random, str], tuple[str, list[tuple[str, str]]]]

@@ -44,7 +44,9 @@ async def run_program_agent(ctx: HarnessContext, timeout_s: float | None = None)
     env = ctx.program_env() | {"LOWWATER_MODEL": ctx.model, "LOWWATER_MAX_TURNS": str(ctx.max_turns)}
     if getattr(getattr(runtime, "config", None), "persistent", False):
         try:
-            return await runtime.run_script(str(AGENT_PROGRAM), [str(question_file)], env=env, warm=True, timeout=timeout_s)
+            return await runtime.run_script(
+                str(AGENT_PROGRAM), [str(question_file)], env=env, warm=True, timeout=timeout_s
+            )
         except ScriptError as exc:
             raise RolloutFailed("model", f"agent program failed: {str(exc)[-300:]}") from None
     result = await runtime.run([sys.executable, str(AGENT_PROGRAM), str(question_file)], env=env, timeout=timeout_s)

@@ -115,7 +115,9 @@ def prepare(path: Path, header: dict[str, Any], *, resume: bool, group_size: int
         if old_header is None:
             raise ResultsFileError(f"{path} has no lowwater header line; not a results file")
         if old_header.get("env") != header.get("env"):
-            raise ResultsFileError(f"{path} holds results of environment {old_header.get('env')!r}, not {header.get('env')!r}")
+            raise ResultsFileError(
+                f"{path} holds results of environment {old_header.get('env')!r}, not {header.get('env')!r}"
+            )
         by_task: dict[Any, list[dict[str, Any]]] = defaultdict(list)
         for row in rows:
             by_task[row.get("task_id")].append(row)
@@ -155,7 +157,7 @@ class ResultsWriter:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._file = open(path, "ab")  # noqa: SIM115 - closed in close()
+        self._file = open(path, "ab")
         self._lock = threading.Lock()
         self.rows_written = 0
 

@@ -22,19 +22,28 @@ import trio
 
 from lowwater import _validate as v
 from lowwater import plugins as plugins_mod
-from lowwater.environment import HARNESSES, Environment, Task
-from lowwater.memory import MemoryRecord, Trimmer, rss_bytes
-from lowwater.eval.results import ResultsWriter, prepare
-from lowwater.rollout import ERROR_CLASSES, Deadlines, Engine, Rollout
 from lowwater.assembly import EngineConfig, open_engine
+from lowwater.environment import HARNESSES, Environment, Task
+from lowwater.eval.results import ResultsWriter, prepare
+from lowwater.memory import MemoryRecord, Trimmer, rss_bytes
+from lowwater.rollout import ERROR_CLASSES, Engine, Rollout
 from lowwater.upstream.spec import ModelSpec, model_server
 
 log = logging.getLogger("lowwater.eval")
 
 #: The keys of ``--summary-json``, in order.
 SUMMARY_KEYS = (
-    "rollouts", "completed", "errors", "accuracy", "reward_mean", "turns_mean",
-    "wall_s", "rollouts_per_s", "rss_baseline_mb", "rss_peak_mb", "rss_resting_mb",
+    "rollouts",
+    "completed",
+    "errors",
+    "accuracy",
+    "reward_mean",
+    "turns_mean",
+    "wall_s",
+    "rollouts_per_s",
+    "rss_baseline_mb",
+    "rss_peak_mb",
+    "rss_resting_mb",
 )
 
 
@@ -86,15 +95,25 @@ class EvalConfig:
     seed: int = 0
     tick_s: float = attrs.field(default=1.0, validator=v.positive("tick", "seconds"))
     workers: int = attrs.field(default=0, validator=v.at_least(0))
-    max_tasks_per_worker: int | None = attrs.field(default=500, validator=v.optional(v.at_least(1, "max-tasks-per-worker")))
+    max_tasks_per_worker: int | None = attrs.field(
+        default=500, validator=v.optional(v.at_least(1, "max-tasks-per-worker"))
+    )
     max_rss_mb: float | None = attrs.field(default=None, validator=v.optional(v.positive("max-rss-mb")))
     high_water_mb: float | None = attrs.field(default=None, validator=v.optional(v.positive("high-water-mb")))
 
     def engine(self) -> EngineConfig:
         """The settings that define this run's engines (here or in each worker)."""
-        return EngineConfig(env=self.env, env_options=self.env_options, model=self.model, group_size=self.group_size,
-                            concurrency=self.concurrency, max_turns=self.max_turns, timeout_s=self.timeout_s,
-                            harness=self.harness, persistent=self.persistent)
+        return EngineConfig(
+            env=self.env,
+            env_options=self.env_options,
+            model=self.model,
+            group_size=self.group_size,
+            concurrency=self.concurrency,
+            max_turns=self.max_turns,
+            timeout_s=self.timeout_s,
+            harness=self.harness,
+            persistent=self.persistent,
+        )
 
 
 class Totals:
@@ -197,7 +216,9 @@ async def run_eval(
         "seed": config.seed,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    state = prepare(config.out, header, resume=config.resume, group_size=config.group_size, max_attempts=config.max_attempts)
+    state = prepare(
+        config.out, header, resume=config.resume, group_size=config.group_size, max_attempts=config.max_attempts
+    )
     totals = Totals()
     for row in state.kept_rows:
         totals.add(row, this_run=False)
@@ -218,10 +239,14 @@ async def run_eval(
     try:
         async with model_server(config.model) as upstream_url:
             if config.workers:
-                pool_report = await _run_pooled(config, env, upstream_url, state.done, record, totals, write, on_progress)
+                pool_report = await _run_pooled(
+                    config, env, upstream_url, state.done, record, totals, write, on_progress
+                )
                 leftovers = {}
             else:
-                leftovers = await _run_here(config, env, plugins, upstream_url, state.done, record, totals, write, on_progress)
+                leftovers = await _run_here(
+                    config, env, plugins, upstream_url, state.done, record, totals, write, on_progress
+                )
     finally:
         writer.close()
         with trio.CancelScope(shield=True):
@@ -234,8 +259,17 @@ async def run_eval(
     return EvalReport(summary, dict(totals.errors), record, config.out, leftovers, pool_report)
 
 
-async def _run_here(config: EvalConfig, env: Environment, plugins: plugins_mod.Plugins, upstream_url: str,
-                    done: set[Any], record: MemoryRecord, totals: Totals, write: Any, on_progress: Any) -> dict[str, int]:
+async def _run_here(
+    config: EvalConfig,
+    env: Environment,
+    plugins: plugins_mod.Plugins,
+    upstream_url: str,
+    done: set[Any],
+    record: MemoryRecord,
+    totals: Totals,
+    write: Any,
+    on_progress: Any,
+) -> dict[str, int]:
     """Every rollout in this process; returns the engine's final stats."""
     async with open_engine(config.engine(), env, plugins, upstream_url) as (engine, server):
 
@@ -247,8 +281,12 @@ async def _run_here(config: EvalConfig, env: Environment, plugins: plugins_mod.P
                 await trio.sleep(config.tick_s)
                 rss = rss_bytes()
                 stats = {
-                    "rss_bytes": rss, "in_flight": engine.in_flight, "finished": totals.this_run,
-                    "intercepts": server.table.stats(), "intercept_table": server.table, "memory_record": record,
+                    "rss_bytes": rss,
+                    "in_flight": engine.in_flight,
+                    "finished": totals.this_run,
+                    "intercepts": server.table.stats(),
+                    "intercept_table": server.table,
+                    "memory_record": record,
                 }
                 await plugins.fire("worker_tick", stats=stats)
                 if "rss-sampling" not in plugins.cleanup_policies:
@@ -264,8 +302,16 @@ async def _run_here(config: EvalConfig, env: Environment, plugins: plugins_mod.P
         return {**engine.stats(), "intercepts": len(server.table)}
 
 
-async def _run_pooled(config: EvalConfig, env: Environment, upstream_url: str, done: set[Any],
-                      record: MemoryRecord, totals: Totals, write: Any, on_progress: Any) -> dict[str, Any]:
+async def _run_pooled(
+    config: EvalConfig,
+    env: Environment,
+    upstream_url: str,
+    done: set[Any],
+    record: MemoryRecord,
+    totals: Totals,
+    write: Any,
+    on_progress: Any,
+) -> dict[str, Any]:
     """Every task in ``config.workers`` env worker processes; returns the
     pool's report.  The parent keeps task ids only; a task whose worker
     died is re-run from its id and its rows say how many attempts it took.
@@ -277,9 +323,14 @@ async def _run_pooled(config: EvalConfig, env: Environment, upstream_url: str, d
     per_worker = max(1, -(-config.concurrency // (config.group_size * config.workers)))
     spec = JobSpec("lowwater.eval.job:make_job", {"config": config.engine().to_json(), "upstream_url": upstream_url})
     pool = WorkerPool(
-        spec, workers=config.workers, concurrency_per_worker=per_worker,
-        max_tasks_per_worker=config.max_tasks_per_worker, max_rss_mb=config.max_rss_mb,
-        high_water_mb=config.high_water_mb, heartbeat_s=config.tick_s, seed=config.seed,
+        spec,
+        workers=config.workers,
+        concurrency_per_worker=per_worker,
+        max_tasks_per_worker=config.max_tasks_per_worker,
+        max_rss_mb=config.max_rss_mb,
+        high_water_mb=config.high_water_mb,
+        heartbeat_s=config.tick_s,
+        seed=config.seed,
         preload=("lowwater.eval.job",),
     )
 
@@ -289,8 +340,19 @@ async def _run_pooled(config: EvalConfig, env: Environment, upstream_url: str, d
             # worker kept dying): give it a row's shape, one per group member,
             # so --resume counts the task like any other.
             error = rows[0].get("error")
-            rows = [{"task_id": info.task_id, "rollout_id": None, "group_id": None, "reward": None,
-                     "metrics": {}, "turns": 0, "error": error, "timing": {}} for _ in range(config.group_size)]
+            rows = [
+                {
+                    "task_id": info.task_id,
+                    "rollout_id": None,
+                    "group_id": None,
+                    "reward": None,
+                    "metrics": {},
+                    "turns": 0,
+                    "error": error,
+                    "timing": {},
+                }
+                for _ in range(config.group_size)
+            ]
         for row in rows:
             if info.retried:
                 row["retried"] = True
@@ -322,7 +384,9 @@ async def _run_tasks(engine: Engine, env: Environment, config: EvalConfig, done:
             nursery.start_soon(_one, engine, task, config.group_size, on_result, limiter, tokens)
 
 
-async def _one(engine: Engine, task: Task, group_size: int, on_result: Any, limiter: trio.CapacityLimiter, tokens: list[object]) -> None:
+async def _one(
+    engine: Engine, task: Task, group_size: int, on_result: Any, limiter: trio.CapacityLimiter, tokens: list[object]
+) -> None:
     try:
         if group_size == 1:
             await engine.run_rollout(task, on_result=on_result)

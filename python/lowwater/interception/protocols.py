@@ -122,7 +122,9 @@ class Protocol:
         """The JSON error body for ``status`` in this protocol's shape."""
         if self.error_flavour == "anthropic":
             return {"type": "error", "error": {"type": _ANTHROPIC_ERRORS.get(status, "api_error"), "message": reason}}
-        return {"error": {"message": reason, "type": _OPENAI_ERRORS.get(status, "api_error"), "param": None, "code": status}}
+        return {
+            "error": {"message": reason, "type": _OPENAI_ERRORS.get(status, "api_error"), "param": None, "code": status}
+        }
 
     def error_event(self, reason: str) -> bytes:
         """An SSE event that makes the agent's SDK raise (sent before breaking a stream)."""
@@ -132,10 +134,23 @@ class Protocol:
         return encode({"type": "error", "error": {"message": reason, "type": "api_error", "code": None}}, "error")
 
 
-_OPENAI_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                  409: "conflict_error", 410: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error"}
-_ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                     413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}
+_OPENAI_ERRORS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    410: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+_ANTHROPIC_ERRORS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
 
 
 # --- validation helpers --------------------------------------------------------

@@ -46,8 +46,8 @@ from lowwater.asgi import HTTPError, Receive, Scope, Send, lifespan
 from lowwater.interception.protocols import Completion, Protocol, builtin_protocols
 from lowwater.interception.slots import Slot, SlotRegistry, new_secret
 from lowwater.interception.sse import SSEParser
-from lowwater.upstream.client import Answer, ModelClient, read_answer
 from lowwater.trajectory import Trajectory, Turn
+from lowwater.upstream.client import Answer, ModelClient, read_answer
 
 log = logging.getLogger("lowwater.interception")
 
@@ -269,10 +269,18 @@ class InterceptionServer:
                 raise HTTPError(405, f"{path} takes GET, not {method}")
             slot = self._authenticate(scope)
             name = slot.upstream.model or "lowwater-upstream"
-            model = {"id": name, "object": "model", "type": "model", "created": 0, "owned_by": "lowwater",
-                     "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
-            return await _send_json(send, 200, {"object": "list", "data": [model], "has_more": False,
-                                                "first_id": name, "last_id": name})
+            model = {
+                "id": name,
+                "object": "model",
+                "type": "model",
+                "created": 0,
+                "owned_by": "lowwater",
+                "display_name": name,
+                "created_at": "1970-01-01T00:00:00Z",
+            }
+            return await _send_json(
+                send, 200, {"object": "list", "data": [model], "has_more": False, "first_id": name, "last_id": name}
+            )
         if protocol is None:
             raise HTTPError(404, f"no endpoint {method} {path}")
         if method != "POST":
@@ -315,17 +323,29 @@ class InterceptionServer:
         except orjson.JSONDecodeError as exc:
             raise HTTPError(400, f"malformed JSON: {exc}") from None
         request = protocol.parse(payload)
-        rewritten = protocol.upstream_body(
-            payload, model=slot.upstream.model, logprobs=self.request_logprobs
-        ) if isinstance(payload, dict) else None
+        rewritten = (
+            protocol.upstream_body(payload, model=slot.upstream.model, logprobs=self.request_logprobs)
+            if isinstance(payload, dict)
+            else None
+        )
         headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in _FORWARD_HEADERS}
-        return _Call(f"{self._id_prefix}-{next(self._ids)}", protocol, slot, request.model, request.stream, request.messages,
-                     orjson.dumps(rewritten) if rewritten is not None else None, headers)
+        return _Call(
+            f"{self._id_prefix}-{next(self._ids)}",
+            protocol,
+            slot,
+            request.model,
+            request.stream,
+            request.messages,
+            orjson.dumps(rewritten) if rewritten is not None else None,
+            headers,
+        )
 
     def _insert(self, call: _Call, body: bytes) -> None:
         self.calls["total"] += 1
         try:
-            self.table.insert(call.request_id, call.slot.rollout_id, body, protocol=call.protocol.name, stream=call.stream)
+            self.table.insert(
+                call.request_id, call.slot.rollout_id, body, protocol=call.protocol.name, stream=call.stream
+            )
         except RolloutClosed:
             self.calls["closed"] += 1
             raise HTTPError(410, f"rollout {call.slot.rollout_id} is closed") from None
@@ -404,13 +424,24 @@ class InterceptionServer:
         call.error = error
         done = done or Completion()
         trajectory = call.slot.trajectory
-        trajectory.add_turn(Turn(
-            index=len(trajectory.turns), protocol=call.protocol.name, model=call.model, request_delta=call.delta,
-            request_delta_start=call.delta_start,
-            completion=done.completion, finish_reason=done.finish_reason, usage=done.usage,
-            token_ids=done.token_ids, logprobs=done.logprobs, started_s=call.wall_s,
-            duration_s=time.perf_counter() - call.started_s, streamed=call.stream, error=error,
-        ))
+        trajectory.add_turn(
+            Turn(
+                index=len(trajectory.turns),
+                protocol=call.protocol.name,
+                model=call.model,
+                request_delta=call.delta,
+                request_delta_start=call.delta_start,
+                completion=done.completion,
+                finish_reason=done.finish_reason,
+                usage=done.usage,
+                token_ids=done.token_ids,
+                logprobs=done.logprobs,
+                started_s=call.wall_s,
+                duration_s=time.perf_counter() - call.started_s,
+                streamed=call.stream,
+                error=error,
+            )
+        )
 
     async def _forward(self, call: _Call, send: Send) -> None:
         try:
@@ -421,7 +452,7 @@ class InterceptionServer:
             return await self._relay_error(call, answer, send)
         try:
             done = call.protocol.completion(orjson.loads(answer.content))
-        except Exception as exc:  # noqa: BLE001 - any malformed answer (or a plugin's parser bug) is the upstream's 502
+        except Exception as exc:
             self._record(call, None, f"upstream answer malformed: {type(exc).__name__}: {exc}")
             raise HTTPError(502, "the upstream's answer is not a valid response object") from None
         self._record(call, done, done.error)
@@ -442,8 +473,16 @@ class InterceptionServer:
             async with call.slot.upstream.stream(protocol.path, self._body(call), call.headers) as response:
                 if response.status_code >= 300:
                     return await self._relay_error(call, await read_answer(response), send)
-                await send({"type": "http.response.start", "status": 200, "headers": [
-                    (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [
+                            (b"content-type", b"text/event-stream; charset=utf-8"),
+                            (b"cache-control", b"no-cache"),
+                        ],
+                    }
+                )
                 call.started = True
                 try:
                     async for chunk in response.aiter_bytes():
@@ -470,7 +509,7 @@ class InterceptionServer:
             raise self._upstream_failed(call, exc) from None
         except HTTPError:
             raise
-        except Exception as exc:  # noqa: BLE001 - a malformed event (or a plugin's parser bug)
+        except Exception as exc:
             if not call.started:
                 raise
             error = f"upstream sent a malformed event: {type(exc).__name__}: {exc}"
@@ -478,7 +517,7 @@ class InterceptionServer:
             error = "upstream stream ended before its terminal event"
         try:
             done: Completion | None = accumulator.result()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             done, error = None, error or f"upstream stream malformed: {type(exc).__name__}: {exc}"
         self._record(call, done, error or (done.error if done else None))
         if error is not None:
@@ -493,8 +532,10 @@ class InterceptionServer:
         """Pass an upstream 4xx on as is (with ``retry-after``); a 5xx becomes 502."""
         self._record(call, None, f"upstream answered {answer.status}")
         if answer.status >= 500 or not answer.content_type.startswith("application/json"):
-            raise HTTPError(502 if answer.status >= 500 else answer.status,
-                            f"upstream answered {answer.status}: {answer.content[:200].decode('utf-8', 'replace')}")
+            raise HTTPError(
+                502 if answer.status >= 500 else answer.status,
+                f"upstream answered {answer.status}: {answer.content[:200].decode('utf-8', 'replace')}",
+            )
         call.started = call.finished = True
         self._delivered(call)
         headers = [("retry-after", answer.retry_after)] if answer.retry_after else []
@@ -510,11 +551,38 @@ class InterceptionServer:
 class _Call:
     """One call's state, shared by the handler, the disconnect watcher and the recorder."""
 
-    __slots__ = ("request_id", "protocol", "slot", "model", "stream", "messages", "forward", "headers", "delta",
-                 "delta_start", "started_s", "wall_s", "started", "finished", "done", "disconnected", "recorded", "error")
+    __slots__ = (
+        "request_id",
+        "protocol",
+        "slot",
+        "model",
+        "stream",
+        "messages",
+        "forward",
+        "headers",
+        "delta",
+        "delta_start",
+        "started_s",
+        "wall_s",
+        "started",
+        "finished",
+        "done",
+        "disconnected",
+        "recorded",
+        "error",
+    )
 
-    def __init__(self, request_id: str, protocol: Protocol, slot: Slot, model: str, stream: bool,
-                 messages: list[Any], forward: bytes | None, headers: dict[str, str]) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        protocol: Protocol,
+        slot: Slot,
+        model: str,
+        stream: bool,
+        messages: list[Any],
+        forward: bytes | None,
+        headers: dict[str, str],
+    ) -> None:
         self.request_id = request_id
         self.protocol = protocol
         self.slot = slot
@@ -623,8 +691,9 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-async def _send_bytes(send: Send, status: int, body: bytes, content_type: str,
-                      headers: Sequence[tuple[str, str]] = ()) -> None:
+async def _send_bytes(
+    send: Send, status: int, body: bytes, content_type: str, headers: Sequence[tuple[str, str]] = ()
+) -> None:
     raw = [(b"content-type", content_type.encode("latin-1")), (b"content-length", str(len(body)).encode())]
     raw += [(k.encode(), v.encode("latin-1")) for k, v in headers]
     await send({"type": "http.response.start", "status": status, "headers": raw})

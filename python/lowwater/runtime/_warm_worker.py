@@ -86,9 +86,19 @@ def _call(module, script, request, max_result):
         sys.argv = [script, *argv]
         result = module.main(argv)
         if not isinstance(result, str):
-            return {"ok": False, "type": "TypeError", "message": f"main returned {type(result).__name__}, not str", "traceback": ""}
+            return {
+                "ok": False,
+                "type": "TypeError",
+                "message": f"main returned {type(result).__name__}, not str",
+                "traceback": "",
+            }
         if len(result.encode("utf-8")) > max_result:
-            return {"ok": False, "type": "OutputLimitExceeded", "message": f"result larger than {max_result} bytes", "traceback": ""}
+            return {
+                "ok": False,
+                "type": "OutputLimitExceeded",
+                "message": f"result larger than {max_result} bytes",
+                "traceback": "",
+            }
         return {"ok": True, "result": result}
     except KeyboardInterrupt:
         raise

@@ -42,9 +42,9 @@ from lowwater.runtime.base import (
     RuntimeStateError,
     build_env,
 )
-
 from lowwater.runtime.process import PIPE_GRACE_S, Capped, kill_group, reap, wait_exited
 from lowwater.runtime.warm import WarmWorkers
+
 
 class SubprocessRuntime(Runtime):
     """Local subprocesses in a private temporary directory (see the module doc).
@@ -88,7 +88,9 @@ class SubprocessRuntime(Runtime):
         if self._root is not None:
             raise RuntimeStateError("runtime is already started")
         try:
-            root = Path(await trio.to_thread.run_sync(lambda: tempfile.mkdtemp(prefix="lowwater-rt-", dir=self.config.root)))
+            root = Path(
+                await trio.to_thread.run_sync(lambda: tempfile.mkdtemp(prefix="lowwater-rt-", dir=self.config.root))
+            )
         except OSError as exc:
             raise RuntimeStartError(f"cannot create runtime directory: {exc}") from exc
         self._root = root

@@ -129,7 +129,9 @@ class WarmWorker:
         """A call holds the worker."""
         return self._lock.locked()
 
-    async def call(self, argv: Sequence[str], env: Mapping[str, str] | None = None, timeout: float | None = None) -> str:
+    async def call(
+        self, argv: Sequence[str], env: Mapping[str, str] | None = None, timeout: float | None = None
+    ) -> str:
         """Call the script's ``main(argv)``; its result.
 
         Raises:
@@ -153,7 +155,10 @@ class WarmWorker:
                     await proc.stdin.send_all(_HEADER.pack(len(request)) + request)
                     reply = await self._recv(proc, self.max_output_bytes * 6 + FRAME_SLACK_BYTES)
                 if scope.cancelled_caught:
-                    raise ProgramTimeout(f"warm call to {os.path.basename(self.script)} killed after {timeout} s", timeout_s=float(timeout or 0.0))
+                    raise ProgramTimeout(
+                        f"warm call to {os.path.basename(self.script)} killed after {timeout} s",
+                        timeout_s=float(timeout or 0.0),
+                    )
                 done = True
             except (_Protocol, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 raise await self._crashed(proc, exc) from None
@@ -183,7 +188,14 @@ class WarmWorker:
             lambda: os.open(self.stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
         )
         try:
-            argv = [*self.command, "-I", str(WORKER_SCRIPT), self.script, str(self.max_output_bytes), str(STDERR_CAP_BYTES)]
+            argv = [
+                *self.command,
+                "-I",
+                str(WORKER_SCRIPT),
+                self.script,
+                str(self.max_output_bytes),
+                str(STDERR_CAP_BYTES),
+            ]
             proc = await trio.lowlevel.open_process(
                 argv,
                 stdin=subprocess.PIPE,
@@ -210,7 +222,9 @@ class WarmWorker:
                 )
             if hello.get("ready") is not True:
                 raise ScriptError(
-                    f"script {os.path.basename(self.script)} failed to import: {hello.get('type')}: {hello.get('message')}"[:1000],
+                    f"script {os.path.basename(self.script)} failed to import: {hello.get('type')}: {hello.get('message')}"[
+                        :1000
+                    ],
                     exc_type=str(hello.get("type", "ImportError")),
                     traceback=str(hello.get("traceback", "")),
                 )

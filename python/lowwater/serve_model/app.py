@@ -246,9 +246,15 @@ def parse_chat(body: Any) -> Call:
     prompt: list[str] = []
     _collect_text(messages, prompt, "content")
     return Call(
-        model, question, results, _offers_calculator(body), bool(_get(body, "stream", bool)),
-        _positive(body, "max_completion_tokens") or _positive(body, "max_tokens"), prompt,
-        logprobs=bool(_get(body, "logprobs", bool)), top_logprobs=top,
+        model,
+        question,
+        results,
+        _offers_calculator(body),
+        bool(_get(body, "stream", bool)),
+        _positive(body, "max_completion_tokens") or _positive(body, "max_tokens"),
+        prompt,
+        logprobs=bool(_get(body, "logprobs", bool)),
+        top_logprobs=top,
         token_id_strings=bool(_get(body, "return_tokens_as_token_ids", bool)),
         return_token_ids=bool(_get(body, "return_token_ids", bool)),
         include_usage=bool(options.get("include_usage")),
@@ -285,9 +291,15 @@ def parse_responses(body: Any) -> Call:
     prompt: list[str] = []
     _collect_text({"input": items, "instructions": body.get("instructions")}, prompt)
     return Call(
-        model, question, results, _offers_calculator(body), bool(_get(body, "stream", bool)),
-        _positive(body, "max_output_tokens"), prompt,
-        logprobs="message.output_text.logprobs" in include, top_logprobs=top,
+        model,
+        question,
+        results,
+        _offers_calculator(body),
+        bool(_get(body, "stream", bool)),
+        _positive(body, "max_output_tokens"),
+        prompt,
+        logprobs="message.output_text.logprobs" in include,
+        top_logprobs=top,
     )
 
 
@@ -323,7 +335,9 @@ def parse_messages(body: Any) -> Call:
         raise _no_question()
     prompt: list[str] = []
     _collect_text({"content": messages, "system": system}, prompt)
-    return Call(model, question, results, _offers_calculator(body), bool(_get(body, "stream", bool)), max_tokens, prompt)
+    return Call(
+        model, question, results, _offers_calculator(body), bool(_get(body, "stream", bool)), max_tokens, prompt
+    )
 
 
 # --- rendering ---------------------------------------------------------------
@@ -363,20 +377,40 @@ _CHAT_FINISH = {"stop": "stop", "tool": "tool_calls", "length": "length"}
 
 
 def _chat_usage(done: Completion) -> Json:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens}
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+    }
 
 
 def chat_body(r: _Render) -> Json:
     done, call = r.done, r.call
-    message: Json = {"role": "assistant", "content": done.text if done.text or not done.tool_call else None, "refusal": None}
+    message: Json = {
+        "role": "assistant",
+        "content": done.text if done.text or not done.tool_call else None,
+        "refusal": None,
+    }
     if done.tool_call:
         tc = done.tool_call
-        message["tool_calls"] = [{"id": f"call_{tc.id}", "type": "function", "function": {"name": tc.name, "arguments": tc.arguments}}]
-    choice: Json = {"index": 0, "message": message, "logprobs": {"content": r.logprob_entries()} if call.logprobs else None,
-                    "finish_reason": _CHAT_FINISH[done.finish]}
-    body: Json = {"id": f"chatcmpl-lw{r.number:012d}", "object": "chat.completion", "created": r.created,
-                  "model": call.model, "choices": [choice], "usage": _chat_usage(done), "system_fingerprint": None}
+        message["tool_calls"] = [
+            {"id": f"call_{tc.id}", "type": "function", "function": {"name": tc.name, "arguments": tc.arguments}}
+        ]
+    choice: Json = {
+        "index": 0,
+        "message": message,
+        "logprobs": {"content": r.logprob_entries()} if call.logprobs else None,
+        "finish_reason": _CHAT_FINISH[done.finish],
+    }
+    body: Json = {
+        "id": f"chatcmpl-lw{r.number:012d}",
+        "object": "chat.completion",
+        "created": r.created,
+        "model": call.model,
+        "choices": [choice],
+        "usage": _chat_usage(done),
+        "system_fingerprint": None,
+    }
     if call.return_token_ids:
         choice["token_ids"] = r.completion_ids()
         body["prompt_token_ids"] = tokens.ids("".join(call.prompt))
@@ -385,10 +419,17 @@ def chat_body(r: _Render) -> Json:
 
 def chat_events(r: _Render) -> Iterator[bytes]:
     done, call = r.done, r.call
-    base: Json = {"id": f"chatcmpl-lw{r.number:012d}", "object": "chat.completion.chunk", "created": r.created,
-                  "model": call.model, "system_fingerprint": None}
+    base: Json = {
+        "id": f"chatcmpl-lw{r.number:012d}",
+        "object": "chat.completion.chunk",
+        "created": r.created,
+        "model": call.model,
+        "system_fingerprint": None,
+    }
 
-    def chunk(delta: Json, finish: str | None = None, logprobs: Json | None = None, ids: list[int] | None = None) -> Json:
+    def chunk(
+        delta: Json, finish: str | None = None, logprobs: Json | None = None, ids: list[int] | None = None
+    ) -> Json:
         choice: Json = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         if ids is not None and call.return_token_ids:
             choice["token_ids"] = ids
@@ -399,13 +440,31 @@ def chat_events(r: _Render) -> Iterator[bytes]:
         first["prompt_token_ids"] = tokens.ids("".join(call.prompt))
     yield _sse(first)
     for piece in done.pieces:
-        logprobs = {"content": [tokens.logprob_entry(piece, call.top_logprobs, call.token_id_strings)]} if call.logprobs else None
+        logprobs = (
+            {"content": [tokens.logprob_entry(piece, call.top_logprobs, call.token_id_strings)]}
+            if call.logprobs
+            else None
+        )
         yield _sse(chunk({"content": piece}, logprobs=logprobs, ids=[tokens.token_id(piece)]))
     if done.tool_call:
         tc = done.tool_call
-        yield _sse(chunk({"tool_calls": [{"index": 0, "id": f"call_{tc.id}", "type": "function",
-                                          "function": {"name": tc.name, "arguments": ""}}]}))
-        yield _sse(chunk({"tool_calls": [{"index": 0, "function": {"arguments": tc.arguments}}]}, ids=tokens.ids(tc.arguments)))
+        yield _sse(
+            chunk(
+                {
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": f"call_{tc.id}",
+                            "type": "function",
+                            "function": {"name": tc.name, "arguments": ""},
+                        }
+                    ]
+                }
+            )
+        )
+        yield _sse(
+            chunk({"tool_calls": [{"index": 0, "function": {"arguments": tc.arguments}}]}, ids=tokens.ids(tc.arguments))
+        )
     yield _sse(r.with_payload(chunk({}, _CHAT_FINISH[done.finish])))
     if call.include_usage:
         yield _sse({**base, "choices": [], "usage": _chat_usage(done)})
@@ -423,24 +482,40 @@ def _anthropic_blocks(done: Completion) -> list[Json]:
         blocks.append({"type": "text", "text": done.text})
     if done.tool_call:
         tc = done.tool_call
-        blocks.append({"type": "tool_use", "id": f"toolu_{tc.id}", "name": tc.name, "input": {"expression": tc.expression}})
+        blocks.append(
+            {"type": "tool_use", "id": f"toolu_{tc.id}", "name": tc.name, "input": {"expression": tc.expression}}
+        )
     return blocks
 
 
 def messages_body(r: _Render) -> Json:
     done = r.done
-    return r.with_payload({
-        "id": f"msg_lw{r.number:012d}", "type": "message", "role": "assistant", "model": r.call.model,
-        "content": _anthropic_blocks(done), "stop_reason": _STOP_REASON[done.finish], "stop_sequence": None,
-        "usage": {"input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens},
-    })
+    return r.with_payload(
+        {
+            "id": f"msg_lw{r.number:012d}",
+            "type": "message",
+            "role": "assistant",
+            "model": r.call.model,
+            "content": _anthropic_blocks(done),
+            "stop_reason": _STOP_REASON[done.finish],
+            "stop_sequence": None,
+            "usage": {"input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens},
+        }
+    )
 
 
 def messages_events(r: _Render) -> Iterator[bytes]:
     done = r.done
-    start = {"id": f"msg_lw{r.number:012d}", "type": "message", "role": "assistant", "model": r.call.model,
-             "content": [], "stop_reason": None, "stop_sequence": None,
-             "usage": {"input_tokens": done.prompt_tokens, "output_tokens": 1}}
+    start = {
+        "id": f"msg_lw{r.number:012d}",
+        "type": "message",
+        "role": "assistant",
+        "model": r.call.model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": done.prompt_tokens, "output_tokens": 1},
+    }
     yield _sse({"type": "message_start", "message": start}, "message_start")
     yield _sse({"type": "ping"}, "ping")
     for index, block in enumerate(_anthropic_blocks(done)):
@@ -454,8 +529,11 @@ def messages_events(r: _Render) -> Iterator[bytes]:
         for delta in deltas:
             yield _sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
         yield _sse({"type": "content_block_stop", "index": index}, "content_block_stop")
-    final = {"type": "message_delta", "delta": {"stop_reason": _STOP_REASON[done.finish], "stop_sequence": None},
-             "usage": {"output_tokens": done.completion_tokens}}
+    final = {
+        "type": "message_delta",
+        "delta": {"stop_reason": _STOP_REASON[done.finish], "stop_sequence": None},
+        "usage": {"output_tokens": done.completion_tokens},
+    }
     yield _sse(r.with_payload(final), "message_delta")
     yield _sse({"type": "message_stop"}, "message_stop")
 
@@ -466,14 +544,29 @@ def messages_events(r: _Render) -> Iterator[bytes]:
 def _response(r: _Render, output: list[Json], status: str) -> Json:
     done = r.done
     return {
-        "id": f"resp_lw{r.number:012d}", "object": "response", "created_at": r.created, "status": status,
-        "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": None, "max_output_tokens": r.call.max_tokens, "model": r.call.model, "output": output,
-        "parallel_tool_calls": True, "previous_response_id": None, "temperature": 1.0, "tool_choice": "auto",
-        "tools": [], "top_p": 1.0,
-        "usage": None if status == "in_progress" else {
-            "input_tokens": done.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": done.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+        "id": f"resp_lw{r.number:012d}",
+        "object": "response",
+        "created_at": r.created,
+        "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": None,
+        "max_output_tokens": r.call.max_tokens,
+        "model": r.call.model,
+        "output": output,
+        "parallel_tool_calls": True,
+        "previous_response_id": None,
+        "temperature": 1.0,
+        "tool_choice": "auto",
+        "tools": [],
+        "top_p": 1.0,
+        "usage": None
+        if status == "in_progress"
+        else {
+            "input_tokens": done.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": done.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": done.prompt_tokens + done.completion_tokens,
         },
     }
@@ -483,14 +576,33 @@ def _response_items(r: _Render) -> list[Json]:
     """The finished output items: a message unless the turn is only a tool call, then the call."""
     done, items = r.done, []
     if done.text or not done.tool_call:
-        part = {"type": "output_text", "text": done.text, "annotations": [],
-                "logprobs": r.logprob_entries() if r.call.logprobs else []}
-        items.append({"type": "message", "id": f"msg_lw{r.number:012d}", "status": "completed", "role": "assistant",
-                      "content": [part]})
+        part = {
+            "type": "output_text",
+            "text": done.text,
+            "annotations": [],
+            "logprobs": r.logprob_entries() if r.call.logprobs else [],
+        }
+        items.append(
+            {
+                "type": "message",
+                "id": f"msg_lw{r.number:012d}",
+                "status": "completed",
+                "role": "assistant",
+                "content": [part],
+            }
+        )
     if done.tool_call:
         tc = done.tool_call
-        items.append({"type": "function_call", "id": f"fc_{tc.id}", "call_id": f"call_{tc.id}", "name": tc.name,
-                      "arguments": tc.arguments, "status": "completed"})
+        items.append(
+            {
+                "type": "function_call",
+                "id": f"fc_{tc.id}",
+                "call_id": f"call_{tc.id}",
+                "name": tc.name,
+                "arguments": tc.arguments,
+                "status": "completed",
+            }
+        )
     return items
 
 
@@ -515,23 +627,52 @@ def responses_events(r: _Render) -> Iterator[bytes]:
     for index, item in enumerate(items):
         if item["type"] == "message":
             part = item["content"][0]
-            yield event("response.output_item.added", output_index=index,
-                        item={**item, "status": "in_progress", "content": []})
+            yield event(
+                "response.output_item.added", output_index=index, item={**item, "status": "in_progress", "content": []}
+            )
             empty = {**part, "text": "", "logprobs": []}
-            yield event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=empty)
+            yield event(
+                "response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=empty
+            )
             for j, piece in enumerate(r.done.pieces):
-                yield event("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
-                            delta=piece, logprobs=part["logprobs"][j : j + 1])
-            yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                        text=part["text"], logprobs=part["logprobs"])
-            yield event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part)
+                yield event(
+                    "response.output_text.delta",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    delta=piece,
+                    logprobs=part["logprobs"][j : j + 1],
+                )
+            yield event(
+                "response.output_text.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                text=part["text"],
+                logprobs=part["logprobs"],
+            )
+            yield event(
+                "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
+            )
         else:
-            yield event("response.output_item.added", output_index=index,
-                        item={**item, "arguments": "", "status": "in_progress"})
-            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                        delta=item["arguments"])
-            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                        name=item["name"], arguments=item["arguments"])
+            yield event(
+                "response.output_item.added",
+                output_index=index,
+                item={**item, "arguments": "", "status": "in_progress"},
+            )
+            yield event(
+                "response.function_call_arguments.delta",
+                item_id=item["id"],
+                output_index=index,
+                delta=item["arguments"],
+            )
+            yield event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=index,
+                name=item["name"],
+                arguments=item["arguments"],
+            )
         yield event("response.output_item.done", output_index=index, item=item)
     status = _final_status(r.done)
     yield event(f"response.{status}", response=r.with_payload(_response(r, items, status)))
@@ -587,8 +728,13 @@ async def stream_events(receive: Receive, send: Send, events: Iterator[bytes]) -
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(watch_disconnect)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+            }
+        )
         pending: list[bytes] = []
         size = 0
         previous = None
@@ -617,9 +763,20 @@ def build_app(model: Model, *, max_body_bytes: int = MAX_BODY_BYTES) -> Callable
     numbers = itertools.count(1)
     models_body = {
         "object": "list",
-        "data": [{"id": model.name, "object": "model", "type": "model", "created": 0,
-                  "created_at": "1970-01-01T00:00:00Z", "owned_by": "lowwater", "display_name": model.name}],
-        "has_more": False, "first_id": model.name, "last_id": model.name,
+        "data": [
+            {
+                "id": model.name,
+                "object": "model",
+                "type": "model",
+                "created": 0,
+                "created_at": "1970-01-01T00:00:00Z",
+                "owned_by": "lowwater",
+                "display_name": model.name,
+            }
+        ],
+        "has_more": False,
+        "first_id": model.name,
+        "last_id": model.name,
     }
 
     async def route(scope: Scope, receive: Receive, send: Send) -> None:

@@ -182,7 +182,9 @@ class ReplayModel:
     payload_bytes: int = 0
 
     @classmethod
-    def from_jsonl(cls, path: str | Path, column: str, *, latency_s: float = 0.0, payload_bytes: int = 0) -> ReplayModel:
+    def from_jsonl(
+        cls, path: str | Path, column: str, *, latency_s: float = 0.0, payload_bytes: int = 0
+    ) -> ReplayModel:
         """Load ``column`` of every row of the JSONL file at ``path``.
 
         Each non-blank line is an object with a ``question`` string and
@@ -244,7 +246,7 @@ def _row(path: Path, number: int, line: bytes, column: str) -> tuple[str, str]:
         raise ReplayDataError(f"{path}:{number}: a line must be a JSON object")
     question = row.get("question")
     if not isinstance(question, str):
-        raise ReplayDataError(f"{path}:{number}: no \"question\" string")
+        raise ReplayDataError(f'{path}:{number}: no "question" string')
     if column not in row:
         known = ", ".join(k for k in row if k != "question")
         raise ReplayDataError(f"{path}:{number}: unknown column {column!r} (columns: {known})")
@@ -252,5 +254,7 @@ def _row(path: Path, number: int, line: bytes, column: str) -> tuple[str, str]:
     if isinstance(value, dict):
         value = value.get("solution")
     if not isinstance(value, str):
-        raise ReplayDataError(f"{path}:{number}: column {column!r} is neither a string nor an object with a \"solution\" string")
+        raise ReplayDataError(
+            f'{path}:{number}: column {column!r} is neither a string nor an object with a "solution" string'
+        )
     return question, value

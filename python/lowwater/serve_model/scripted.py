@@ -40,27 +40,35 @@ _N = r"(\d+)"
 _TEMPLATES: list[tuple[Callable[..., Any], re.Pattern[str], Callable[[list[int]], list[int]]]] = [
     (
         arithmetic.TEMPLATES["bakery"],
-        re.compile(rf"([A-Z][a-z]+) bakes {_N} trays of rolls with {_N} rolls on each tray\. \1 sells {_N} rolls "
-                   rf"and packs the rest into bags of {_N}\. How many full bags does \1 pack\?"),
+        re.compile(
+            rf"([A-Z][a-z]+) bakes {_N} trays of rolls with {_N} rolls on each tray\. \1 sells {_N} rolls "
+            rf"and packs the rest into bags of {_N}\. How many full bags does \1 pack\?"
+        ),
         lambda n: [n[0], n[1], n[2], n[3]],
     ),
     (
         arithmetic.TEMPLATES["savings"],
-        re.compile(rf"([A-Z][a-z]+) saves \${_N} every week for {_N} weeks, then buys {_N} books that cost \${_N} "
-                   rf"each\. How many dollars does \1 have left\?"),
+        re.compile(
+            rf"([A-Z][a-z]+) saves \${_N} every week for {_N} weeks, then buys {_N} books that cost \${_N} "
+            rf"each\. How many dollars does \1 have left\?"
+        ),
         lambda n: [n[0], n[1], n[3], n[2]],  # weekly, weeks, price, count
     ),
     (
         arithmetic.TEMPLATES["garden"],
-        re.compile(rf"([A-Z][a-z]+) plants {_N} rows of tomatoes with {_N} plants in each row\. {_N}% of the plants "
-                   rf"die\. Each surviving plant gives {_N} tomatoes\. How many tomatoes does \1 harvest\?"),
+        re.compile(
+            rf"([A-Z][a-z]+) plants {_N} rows of tomatoes with {_N} plants in each row\. {_N}% of the plants "
+            rf"die\. Each surviving plant gives {_N} tomatoes\. How many tomatoes does \1 harvest\?"
+        ),
         # rows and plants are drawn as multiples of 5 and 4.
         lambda n: [n[0] // 5 if n[0] % 5 == 0 else -1, n[1] // 4 if n[1] % 4 == 0 else -1, n[2], n[3]],
     ),
     (
         arithmetic.TEMPLATES["trip"],
-        re.compile(rf"([A-Z][a-z]+) drives at {_N} km per hour for {_N} hours, then cycles back the same distance "
-                   rf"at {_N} km per hour\. How many hours does the whole trip take\?"),
+        re.compile(
+            rf"([A-Z][a-z]+) drives at {_N} km per hour for {_N} hours, then cycles back the same distance "
+            rf"at {_N} km per hour\. How many hours does the whole trip take\?"
+        ),
         lambda n: [n[0], n[1], n[2]],
     ),
 ]
@@ -142,7 +150,9 @@ class ScriptedModel:
     latency_s: float = 0.0
     completion_tokens: int = 16
     payload_bytes: int = 0
-    solutions: Mapping[str, str] = attrs.field(factory=dict, converter=lambda m: {normalize(k): v for k, v in m.items()})
+    solutions: Mapping[str, str] = attrs.field(
+        factory=dict, converter=lambda m: {normalize(k): v for k, v in m.items()}
+    )
     name: str = "scripted"
 
     def __attrs_post_init__(self) -> None:

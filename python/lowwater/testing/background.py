@@ -27,7 +27,9 @@ class BackgroundTrio:
 
     def __init__(self) -> None:
         ready: queue.Queue[None] = queue.Queue()
-        self._thread = threading.Thread(target=trio.run, args=(self._main, ready), name="lowwater-test-trio", daemon=True)
+        self._thread = threading.Thread(
+            target=trio.run, args=(self._main, ready), name="lowwater-test-trio", daemon=True
+        )
         self._thread.start()
         ready.get()
 

@@ -68,7 +68,7 @@ MARKER = "lowwater-conformance-marker"
 #: Suffix of the marker of the timeout rule's sleeping processes.
 SLEEPER = "-sleeper"
 
-ECHO_SCRIPT = f'''\
+ECHO_SCRIPT = """\
 import os, sys
 
 def main(argv):
@@ -76,9 +76,9 @@ def main(argv):
 
 if __name__ == "__main__":
     sys.stdout.write(main(sys.argv[1:]))
-'''
+"""
 
-CRASH_SCRIPT = f'''\
+CRASH_SCRIPT = """\
 import os, sys
 
 def main(argv):
@@ -86,9 +86,9 @@ def main(argv):
 
 if __name__ == "__main__":
     sys.stdout.write(main(sys.argv[1:]))
-'''
+"""
 
-EXIT_SCRIPT = f'''\
+EXIT_SCRIPT = """\
 import sys
 
 def main(argv):
@@ -96,7 +96,7 @@ def main(argv):
 
 if __name__ == "__main__":
     sys.stdout.write(main(sys.argv[1:]))
-'''
+"""
 
 _TEXT = st.text(alphabet=string.ascii_letters + string.digits + " .-_", max_size=12)
 
@@ -274,7 +274,10 @@ class RuntimeConformance(RuleBasedStateMachine):
     def timeout(self) -> None:
         # The program starts a grandchild: both must die with the timeout.
         code = "import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', sys.argv[1]])\ntime.sleep(60)"
-        exc = _expect(ProgramTimeout, lambda: self.call(self.runtime.run, self.py(code, self.marker + SLEEPER), timeout=self.timeout_s))
+        exc = _expect(
+            ProgramTimeout,
+            lambda: self.call(self.runtime.run, self.py(code, self.marker + SLEEPER), timeout=self.timeout_s),
+        )
         assert isinstance(exc, trio.TooSlowError)
         assert self.leftover_processes(self.marker + SLEEPER) == [], "a timed-out program's process tree must be gone"
 
@@ -305,7 +308,6 @@ class RuntimeConformance(RuleBasedStateMachine):
         finally:
             self.loop.close()
             shutil.rmtree(self.scripts, ignore_errors=True)
-
 
 
 __all__ = ["CONFORMANCE_SETTINGS", "MARKER", "SLEEPER", "RuntimeConformance"]

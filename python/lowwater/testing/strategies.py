@@ -29,14 +29,16 @@ def tasks(ids: st.SearchStrategy[Any] | None = None) -> st.SearchStrategy[Task]:
         Task,
         id=ids if ids is not None else st.one_of(st.integers(0, 10**6), _ids),
         prompt=_text,
-        answer=st.integers(-10**6, 10**6).map(str),
+        answer=st.integers(-(10**6), 10**6).map(str),
         metadata=st.dictionaries(_ids, st.integers() | _text, max_size=3),
     )
 
 
 def images(max_bytes: int = 4096) -> st.SearchStrategy[str]:
     """A ``data:image/png;base64,...`` URL of random bytes (size up to ``max_bytes``)."""
-    return st.binary(min_size=1, max_size=max_bytes).map(lambda b: "data:image/png;base64," + base64.b64encode(b).decode())
+    return st.binary(min_size=1, max_size=max_bytes).map(
+        lambda b: "data:image/png;base64," + base64.b64encode(b).decode()
+    )
 
 
 def chat_messages(max_size: int = 8) -> st.SearchStrategy[list[dict[str, Any]]]:
@@ -48,7 +50,8 @@ def chat_messages(max_size: int = 8) -> st.SearchStrategy[list[dict[str, Any]]]:
                 st.builds(lambda t: {"type": "text", "text": t}, _text),
                 st.builds(lambda u: {"type": "image_url", "image_url": {"url": u}}, images()),
             ),
-            min_size=1, max_size=3,
+            min_size=1,
+            max_size=3,
         ),
     )
     message = st.one_of(
@@ -65,9 +68,7 @@ def chat_messages(max_size: int = 8) -> st.SearchStrategy[list[dict[str, Any]]]:
 def request_bodies(protocol: str | None = None) -> st.SearchStrategy[tuple[str, dict[str, Any]]]:
     """``(protocol, body)`` pairs of well-formed requests (streamed or not)."""
     stream = st.booleans()
-    chat = st.builds(
-        lambda m, s: ("openai.chat", {"model": "m", "messages": m, "stream": s}), chat_messages(), stream
-    )
+    chat = st.builds(lambda m, s: ("openai.chat", {"model": "m", "messages": m, "stream": s}), chat_messages(), stream)
     responses = st.builds(
         lambda t, s: ("openai.responses", {"model": "m", "input": t, "stream": s}),
         st.one_of(_text, st.lists(st.builds(lambda c: {"role": "user", "content": c}, _text), min_size=1, max_size=4)),
@@ -87,9 +88,21 @@ def malformed_bodies() -> st.SearchStrategy[bytes]:
     """Bodies a proxy must answer with a 4xx: not JSON, not an object, wrong types, missing fields."""
     return st.one_of(
         st.binary(max_size=64).filter(lambda b: not _is_json(b)),
-        st.sampled_from([b"[]", b"null", b"42", b'"text"', b"{}", b'{"model": 3}', b'{"messages": "hi"}',
-                         b'{"model": "m", "messages": [{"role": 5}]}', b'{"model": "m", "messages": [1]}',
-                         b'{"model": "m", "messages": [], "stream": "yes"}', b'{"model": "m", "messages"']),
+        st.sampled_from(
+            [
+                b"[]",
+                b"null",
+                b"42",
+                b'"text"',
+                b"{}",
+                b'{"model": 3}',
+                b'{"messages": "hi"}',
+                b'{"model": "m", "messages": [{"role": 5}]}',
+                b'{"model": "m", "messages": [1]}',
+                b'{"model": "m", "messages": [], "stream": "yes"}',
+                b'{"model": "m", "messages"',
+            ]
+        ),
     )
 
 

@@ -38,8 +38,8 @@ from lowwater._native import LowwaterError
 from lowwater.asgi import serve
 from lowwater.assembly import EngineConfig
 from lowwater.environment import HARNESSES, Environment, Task
-from lowwater.trainer.producer import group_shards
 from lowwater.rollout import Deadlines, Engine, Group
+from lowwater.trainer.producer import group_shards
 from lowwater.trainer.shards import DrainReport, ShardRef, ShardStore, clear_batch
 from lowwater.upstream.spec import ModelSpec, model_server
 
@@ -87,9 +87,16 @@ class TrainerConfig:
 
     def engine(self) -> EngineConfig:
         """The engine settings each env worker runs with."""
-        return EngineConfig(env=self.env, env_options=self.env_options, model=self.model, group_size=self.group_size,
-                            concurrency=max(self.concurrency * self.group_size, 1), max_turns=self.max_turns,
-                            timeout_s=self.timeout_s, harness=self.harness)
+        return EngineConfig(
+            env=self.env,
+            env_options=self.env_options,
+            model=self.model,
+            group_size=self.group_size,
+            concurrency=max(self.concurrency * self.group_size, 1),
+            max_turns=self.max_turns,
+            timeout_s=self.timeout_s,
+            harness=self.harness,
+        )
 
 
 @attrs.frozen
@@ -112,7 +119,9 @@ class Batch:
     errors: int
 
     @classmethod
-    def assemble(cls, step: int, groups: Sequence[tuple[Any, Sequence[ShardRef], tuple[float, ...], int] | None]) -> Batch:
+    def assemble(
+        cls, step: int, groups: Sequence[tuple[Any, Sequence[ShardRef], tuple[float, ...], int] | None]
+    ) -> Batch:
         """A batch from per-group ``(task_id, refs, rewards, errors)`` tuples, in order (``None``: no group)."""
         done = [g for g in groups if g is not None]
         return cls(
@@ -135,8 +144,17 @@ class Batch:
 class Lowwater:
     """A running lowwater for a trainer (use :meth:`open`)."""
 
-    def __init__(self, config: TrainerConfig, engine: Engine | None, store: ShardStore, http: httpx.AsyncClient,
-                 plugins: Any, *, env: Environment | None = None, upstream_url: str = "") -> None:
+    def __init__(
+        self,
+        config: TrainerConfig,
+        engine: Engine | None,
+        store: ShardStore,
+        http: httpx.AsyncClient,
+        plugins: Any,
+        *,
+        env: Environment | None = None,
+        upstream_url: str = "",
+    ) -> None:
         self.config = config
         self.engine = engine  # None with workers: the engines run in the workers
         self.store = store
@@ -168,17 +186,30 @@ class Lowwater:
         store = ShardStore()
         try:
             async with model_server(config.model) as url, ModelClient(url, api_key=config.model.api_key) as client:
-                server = InterceptionServer(client, protocols=list(plugins.protocols.values()) or None,
-                                            request_logprobs=config.request_logprobs)
-                async with trio.open_nursery() as nursery, \
-                        AgentClient(max_idle=max(config.concurrency * config.group_size, 8), timeout_s=config.timeout_s) as http:
+                server = InterceptionServer(
+                    client, protocols=list(plugins.protocols.values()) or None, request_logprobs=config.request_logprobs
+                )
+                async with (
+                    trio.open_nursery() as nursery,
+                    AgentClient(
+                        max_idle=max(config.concurrency * config.group_size, 8), timeout_s=config.timeout_s
+                    ) as http,
+                ):
                     store.address = await nursery.start(serve, store)
                     if config.workers:
                         lw = cls(config, None, store, http, plugins, env=env, upstream_url=url)
                     else:
                         await nursery.start(server.run)
-                        engine = Engine(env, server, plugins, http, harness=config.harness, model=config.model.name,
-                                        max_turns=config.max_turns, deadlines=Deadlines(rollout_s=config.timeout_s))
+                        engine = Engine(
+                            env,
+                            server,
+                            plugins,
+                            http,
+                            harness=config.harness,
+                            model=config.model.name,
+                            max_turns=config.max_turns,
+                            deadlines=Deadlines(rollout_s=config.timeout_s),
+                        )
                         lw = cls(config, engine, store, http, plugins)
                     try:
                         yield lw
@@ -220,15 +251,24 @@ class Lowwater:
                 refs.extend(group_shards(self.store, f"step{step}/{group.group_id}", group.rollouts, trajectories))
 
             async with limiter:
-                group = await self.engine.run_group(task, self.config.group_size, on_group=produce, group_id=f"s{step}-g{i}")
-            slots[i] = (task.id, refs, tuple(r.reward or 0.0 for r in group.rollouts), sum(r.error is not None for r in group.rollouts))
+                group = await self.engine.run_group(
+                    task, self.config.group_size, on_group=produce, group_id=f"s{step}-g{i}"
+                )
+            slots[i] = (
+                task.id,
+                refs,
+                tuple(r.reward or 0.0 for r in group.rollouts),
+                sum(r.error is not None for r in group.rollouts),
+            )
 
         async with trio.open_nursery() as nursery:
             for i in range(n_groups):
                 nursery.start_soon(one, i, next(self._tasks))
         return Batch.assemble(step, slots)
 
-    async def clear_batch(self, batch: Batch | Sequence[ShardRef | str], *, consumers: Sequence[str] = ()) -> DrainReport:
+    async def clear_batch(
+        self, batch: Batch | Sequence[ShardRef | str], *, consumers: Sequence[str] = ()
+    ) -> DrainReport:
         """Release the batch everywhere: this process's shard store removes its
         copies, every consumer (``host:port``) drains exactly those ids, and
         ``step_end`` fires (a guarded ``malloc_trim`` among its policies).
@@ -239,7 +279,9 @@ class Lowwater:
         items = list(batch.refs) if isinstance(batch, Batch) else list(batch)
         report = await clear_batch(items, client=self.http, consumers=consumers, local=self.store)
         ids = [r.shard_id if isinstance(r, ShardRef) else r for r in items]
-        await self.plugins.fire("step_end", step=batch.step if isinstance(batch, Batch) else self.step - 1, shard_ids=ids)
+        await self.plugins.fire(
+            "step_end", step=batch.step if isinstance(batch, Batch) else self.step - 1, shard_ids=ids
+        )
         return report
 
     async def _next_batch_pooled(self, step: int, n_groups: int) -> Batch:
@@ -256,12 +298,24 @@ class Lowwater:
         # "INDEX|TASK_ID": a task may come twice in one batch; the pool needs
         # distinct ids, and the worker needs the environment's id back.
         ids = [f"{i}|{orjson.dumps(next(self._tasks).id).decode()}" for i in range(n_groups)]
-        spec = JobSpec("lowwater.trainer.job:make_job", {
-            "config": config.engine().to_json(), "upstream_url": self._upstream_url,
-            "store_url": f"http://{self.store.address}", "step": step, "request_logprobs": config.request_logprobs,
-        })
-        pool = WorkerPool(spec, workers=config.workers, concurrency_per_worker=max(1, -(-config.concurrency // config.workers)),
-                          max_tasks_per_worker=None, max_rss_mb=config.max_rss_mb, preload=("lowwater.trainer.job",))
+        spec = JobSpec(
+            "lowwater.trainer.job:make_job",
+            {
+                "config": config.engine().to_json(),
+                "upstream_url": self._upstream_url,
+                "store_url": f"http://{self.store.address}",
+                "step": step,
+                "request_logprobs": config.request_logprobs,
+            },
+        )
+        pool = WorkerPool(
+            spec,
+            workers=config.workers,
+            concurrency_per_worker=max(1, -(-config.concurrency // config.workers)),
+            max_tasks_per_worker=None,
+            max_rss_mb=config.max_rss_mb,
+            preload=("lowwater.trainer.job",),
+        )
         slots: list[tuple[Any, list[ShardRef], tuple[float, ...], int] | None] = [None] * n_groups
 
         async def on_rows(rows: list[dict[str, Any]], info: Any) -> None:
@@ -282,7 +336,11 @@ class Lowwater:
         ``engine`` (registry, in-flight) and ``intercepts``."""
         if self.engine is None:
             return {"shards": self.store.stats(), "engine": None, "intercepts": None}
-        return {"shards": self.store.stats(), "engine": self.engine.stats(), "intercepts": self.engine.interceptor.table.stats()}
+        return {
+            "shards": self.store.stats(),
+            "engine": self.engine.stats(),
+            "intercepts": self.engine.interceptor.table.stats(),
+        }
 
 
 def _cycle(env: Environment) -> Any:
@@ -309,7 +367,9 @@ class SyncLowwater:
     def __init__(self, config: TrainerConfig = TrainerConfig()) -> None:
         self._calls: queue.Queue[Any] = queue.Queue()
         started: queue.Queue[BaseException | None] = queue.Queue()
-        self._thread = threading.Thread(target=trio.run, args=(self._main, config, started), name="lowwater-trio", daemon=True)
+        self._thread = threading.Thread(
+            target=trio.run, args=(self._main, config, started), name="lowwater-trio", daemon=True
+        )
         self._thread.start()
         error = started.get()
         if error is not None:

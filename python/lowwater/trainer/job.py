@@ -20,8 +20,8 @@ import httpx
 import orjson
 
 from lowwater.assembly import EngineJob
-from lowwater.trainer.producer import group_shards
 from lowwater.rollout import Group
+from lowwater.trainer.producer import group_shards
 from lowwater.trainer.shards import DTYPE_HEADER, SHAPE_HEADER, ShardStore
 
 
@@ -40,8 +40,9 @@ class TrainerJob(EngineJob):
         request_logprobs: ask the upstream for token ids and logprobs.
     """
 
-    def __init__(self, config: dict[str, Any], upstream_url: str, store_url: str, step: int,
-                 request_logprobs: bool = True) -> None:
+    def __init__(
+        self, config: dict[str, Any], upstream_url: str, store_url: str, step: int, request_logprobs: bool = True
+    ) -> None:
         super().__init__(config, upstream_url, request_logprobs=request_logprobs)
         self.store_url = store_url.rstrip("/")
         self.step = step
@@ -75,11 +76,15 @@ class TrainerJob(EngineJob):
             group = await self.engine.run_group(task, self.config.group_size, on_group=produce, group_id=group_id)
         finally:
             local.buffer.clear()
-        return [{
-            "task_id": task.id, "index": int(index), "refs": refs,
-            "rewards": [r.reward or 0.0 for r in group.rollouts],
-            "errors": sum(r.error is not None for r in group.rollouts),
-        }]
+        return [
+            {
+                "task_id": task.id,
+                "index": int(index),
+                "refs": refs,
+                "rewards": [r.reward or 0.0 for r in group.rollouts],
+                "errors": sum(r.error is not None for r in group.rollouts),
+            }
+        ]
 
     async def _upload(self, local: ShardStore, shard_id: str, dtype: str, shape: tuple[int, ...]) -> dict[str, Any]:
         """PUT one shard to the trainer's store, then drop the local copy."""
@@ -87,8 +92,10 @@ class TrainerJob(EngineJob):
         view = local.buffer.get(shard_id)
         assert view is not None
         response = await self._uploads.put(
-            f"{self.store_url}/shards/{quote(shard_id, safe='')}", content=bytes(memoryview(view)),
-            headers={DTYPE_HEADER: dtype, SHAPE_HEADER: ",".join(map(str, shape))})
+            f"{self.store_url}/shards/{quote(shard_id, safe='')}",
+            content=bytes(memoryview(view)),
+            headers={DTYPE_HEADER: dtype, SHAPE_HEADER: ",".join(map(str, shape))},
+        )
         del view
         local.remove([shard_id])
         if response.status_code != 201:

@@ -48,7 +48,9 @@ def group_advantages(rewards: Sequence[float]) -> list[float]:
     return [(r - mean) / (std + 1e-6) for r in rewards]
 
 
-def group_shards(store: ShardStore, prefix: str, rollouts: Sequence[Any], trajectories: dict[str, Any]) -> list[ShardRef]:
+def group_shards(
+    store: ShardStore, prefix: str, rollouts: Sequence[Any], trajectories: dict[str, Any]
+) -> list[ShardRef]:
     """Put one group's shards into ``store``; returns their references in
     :data:`SHARD_NAMES` order.
 
@@ -76,8 +78,12 @@ def group_shards(store: ShardStore, prefix: str, rollouts: Sequence[Any], trajec
         rewards.append(float(rollout.reward) if trained and rollout.reward is not None else 0.0)
     advantages = array("f", group_advantages(list(rewards)))
     arrays = {
-        "token_ids": (token_ids, "int64"), "logprobs": (logprobs, "float32"), "loss_mask": (loss_mask, "uint8"),
-        "offsets": (offsets, "int64"), "rewards": (rewards, "float32"), "advantages": (advantages, "float32"),
+        "token_ids": (token_ids, "int64"),
+        "logprobs": (logprobs, "float32"),
+        "loss_mask": (loss_mask, "uint8"),
+        "offsets": (offsets, "int64"),
+        "rewards": (rewards, "float32"),
+        "advantages": (advantages, "float32"),
     }
     refs = []
     for name in SHARD_NAMES:

@@ -162,7 +162,10 @@ class SessionStore:
     # -- lifecycle -------------------------------------------------------------
 
     def start_session(
-        self, group_id: str | None = None, session_id: str | None = None, api_key: str | None = None,
+        self,
+        group_id: str | None = None,
+        session_id: str | None = None,
+        api_key: str | None = None,
     ) -> tuple[str, str]:
         """Open a session; returns ``(session_id, api_key)``.
 
@@ -372,13 +375,24 @@ def _export_one(snap: dict[str, Any], discount: float, style: ExportStyle) -> li
     if style == "concat":
         token_ids = [t for i in items for t in (i["token_ids"] or [])]
         logprobs = [p for i in items for p in (i["logprobs"] or [])]
-        return [{
-            "session_id": snap["session_id"], "group_id": snap["group_id"], "reward": reward,
-            "interactions": items, "token_ids": token_ids, "logprobs": logprobs,
-        }]
+        return [
+            {
+                "session_id": snap["session_id"],
+                "group_id": snap["group_id"],
+                "reward": reward,
+                "interactions": items,
+                "token_ids": token_ids,
+                "logprobs": logprobs,
+            }
+        ]
     return [
-        {"session_id": snap["session_id"], "group_id": snap["group_id"], "index": k,
-         "reward": reward * discount ** (n - 1 - k), **item}
+        {
+            "session_id": snap["session_id"],
+            "group_id": snap["group_id"],
+            "index": k,
+            "reward": reward * discount ** (n - 1 - k),
+            **item,
+        }
         for k, item in enumerate(items)
     ]
 

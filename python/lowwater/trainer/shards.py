@@ -32,7 +32,7 @@ import random
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
 import attrs
 import httpx
@@ -41,7 +41,6 @@ import trio
 
 from lowwater import BufferFull, FetchBuffer, LowwaterError, ShardView
 from lowwater._native import DTYPES
-from lowwater.memory import Trimmer
 from lowwater.asgi import (
     HTTPError,
     Receive,
@@ -54,6 +53,7 @@ from lowwater.asgi import (
     send_bytes,
     send_json,
 )
+from lowwater.memory import Trimmer
 
 log = logging.getLogger("lowwater.trainer.shards")
 
@@ -98,7 +98,13 @@ class ShardRef:
     nbytes: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"shard_id": self.shard_id, "owner": self.owner, "dtype": self.dtype, "shape": list(self.shape), "nbytes": self.nbytes}
+        return {
+            "shard_id": self.shard_id,
+            "owner": self.owner,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "nbytes": self.nbytes,
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ShardRef:
@@ -117,7 +123,9 @@ def _parse_shape(text: str) -> tuple[int, ...]:
 
 
 def encode_batch_header(views: Sequence[ShardView]) -> bytes:
-    header = orjson.dumps([{"id": v.shard_id, "dtype": v.dtype, "shape": list(v.shape), "nbytes": v.nbytes} for v in views])
+    header = orjson.dumps(
+        [{"id": v.shard_id, "dtype": v.dtype, "shape": list(v.shape), "nbytes": v.nbytes} for v in views]
+    )
     return _HEADER_LEN.pack(len(header)) + header
 
 
@@ -532,7 +540,9 @@ async def clear_batch(
         if stats.get("entries"):
             log.warning(
                 "consumer %s still holds %d shards (%d bytes) after the step's drain: a fetch-buffer leak",
-                consumer, stats["entries"], stats["bytes"],
+                consumer,
+                stats["entries"],
+                stats["bytes"],
             )
 
     async with trio.open_nursery() as nursery:

@@ -139,8 +139,9 @@ class ModelClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.limiter = trio.CapacityLimiter(max_concurrency)
-        self.transport = FreeListTransport(max_idle=max_concurrency if max_keepalive is None else max_keepalive,
-                                           keepalive_expiry_s=keepalive_expiry_s)
+        self.transport = FreeListTransport(
+            max_idle=max_concurrency if max_keepalive is None else max_keepalive, keepalive_expiry_s=keepalive_expiry_s
+        )
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s).as_dict()
         # Relayed bytes must be what the agent can read without our
         # content-encoding header: ask for none.
@@ -156,7 +157,9 @@ class ModelClient:
         """The upstream URL of an interception path such as ``/v1/chat/completions``."""
         return self.base_url + path.removeprefix("/v1")
 
-    async def _send(self, method: str, path: str, body: Any, headers: Mapping[str, str], timeout_s: float | None) -> httpx.Response:
+    async def _send(
+        self, method: str, path: str, body: Any, headers: Mapping[str, str], timeout_s: float | None
+    ) -> httpx.Response:
         """One attempt, straight to the transport.
 
         ``httpx.AsyncClient.send`` would add cookie extraction, redirect and
@@ -258,9 +261,14 @@ class ModelClient:
     def stats(self) -> dict[str, int]:
         """``requests`` (attempts sent), ``retried``, ``in_flight`` (limiter slots held),
         ``connections_opened`` and ``connections_pruned`` (since start), ``connections_idle`` (now)."""
-        return {"requests": self.requests, "retried": self.retried, "in_flight": self.limiter.borrowed_tokens,
-                "connections_opened": self.transport.opened, "connections_pruned": self.transport.pruned,
-                "connections_idle": self.transport.idle}
+        return {
+            "requests": self.requests,
+            "retried": self.retried,
+            "in_flight": self.limiter.borrowed_tokens,
+            "connections_opened": self.transport.opened,
+            "connections_pruned": self.transport.pruned,
+            "connections_idle": self.transport.idle,
+        }
 
     @property
     def keepalive_expiry_s(self) -> float:

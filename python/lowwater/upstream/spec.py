@@ -137,7 +137,7 @@ async def _read_url(process: trio.Process, timeout_s: float, errfile: Any) -> st
                 break
             buffer += chunk
             match = _URL.search(buffer)
-            if match and b"\n" in buffer[match.end():]:
+            if match and b"\n" in buffer[match.end() :]:
                 return match.group(0).decode().rstrip("/").removesuffix("/v1")
     with trio.move_on_after(2):
         await process.wait()

@@ -71,7 +71,9 @@ class FreeListTransport(httpx.AsyncBaseTransport):
         self.opened = 0
         self.pruned = 0
 
-    def _checkout(self, origin: httpcore.Origin, stale: list[httpcore.AsyncHTTPConnection]) -> httpcore.AsyncHTTPConnection:
+    def _checkout(
+        self, origin: httpcore.Origin, stale: list[httpcore.AsyncHTTPConnection]
+    ) -> httpcore.AsyncHTTPConnection:
         idle = self._idle.get((origin.scheme, origin.host, origin.port))
         while idle:
             connection = idle.pop()
@@ -177,8 +179,9 @@ class ResponseStream(httpx.AsyncByteStream):
     """A response body read straight from its connection; closing it returns
     the connection to the free list (or closes it if the body was not read)."""
 
-    def __init__(self, stream: Any, pool: FreeListTransport, connection: httpcore.AsyncHTTPConnection,
-                 origin: httpcore.Origin) -> None:
+    def __init__(
+        self, stream: Any, pool: FreeListTransport, connection: httpcore.AsyncHTTPConnection, origin: httpcore.Origin
+    ) -> None:
         self._stream = stream
         self._pool = pool
         self._connection: httpcore.AsyncHTTPConnection | None = connection

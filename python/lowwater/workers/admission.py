@@ -150,7 +150,9 @@ class PoolAdmission:
             if worker_low_bytes is None:
                 worker_low_bytes = 0.8 * worker_high_bytes
             if not 0 < worker_low_bytes <= worker_high_bytes:
-                raise ValueError(f"need 0 < low_water_mb <= high_water_mb, got {worker_low_bytes / MIB} and {worker_high_bytes / MIB}")
+                raise ValueError(
+                    f"need 0 < low_water_mb <= high_water_mb, got {worker_low_bytes / MIB} and {worker_high_bytes / MIB}"
+                )
         self.worker_high = worker_high_bytes
         self.worker_low = worker_low_bytes
         self.limit_bytes = limit_bytes

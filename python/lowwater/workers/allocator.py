@@ -134,8 +134,10 @@ def _libc() -> Any | None:
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.mallopt  # AttributeError where the symbol does not exist
-        libc.gnu_get_libc_version  # glibc only: musl's mallopt is a stub
+        # AttributeError where the symbol does not exist; gnu_get_libc_version
+        # is glibc only (musl's mallopt is a stub that does nothing).
+        for symbol in ("mallopt", "gnu_get_libc_version"):
+            getattr(libc, symbol)
     except (OSError, AttributeError):
         return None
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]

@@ -89,7 +89,7 @@ def _kill_descendants() -> None:
                 child.kill()
             except psutil.Error:
                 pass
-    except Exception:  # noqa: BLE001 - we are about to die; nothing to report to
+    except Exception:
         pass
 
 
@@ -303,11 +303,19 @@ class _Child:
                 self._fatal("job setup")
                 services.cancel_scope.cancel()
                 return EXIT_SETUP_FAILED
-            self.outbox.put(encode({
-                "op": "ready", "pid": self.pid, "rss": rss_bytes(),
-                "import_s": round(import_s, 6), "setup_s": round(time.perf_counter() - started - import_s, 6),
-                "allocator": self.allocator_report, "malloc_trim": malloc_trim_available(),
-            }))
+            self.outbox.put(
+                encode(
+                    {
+                        "op": "ready",
+                        "pid": self.pid,
+                        "rss": rss_bytes(),
+                        "import_s": round(import_s, 6),
+                        "setup_s": round(time.perf_counter() - started - import_s, 6),
+                        "allocator": self.allocator_report,
+                        "malloc_trim": malloc_trim_available(),
+                    }
+                )
+            )
             try:
                 async with trio.open_nursery() as tasks:
                     with self.read_scope:
@@ -369,7 +377,11 @@ class _Child:
                 status = "cancelled"  # the job caught the cancellation and returned its own rows
             if status == "ok" and not (isinstance(rows, list) and all(isinstance(r, dict) for r in rows)):
                 status = "error"
-                rows = [self._error_row(task_id, attempt, "infra", f"job returned {type(rows).__name__}, not a list of dicts")]
+                rows = [
+                    self._error_row(
+                        task_id, attempt, "infra", f"job returned {type(rows).__name__}, not a list of dicts"
+                    )
+                ]
         finally:
             del self.in_flight[seq]
             self.done += 1
@@ -386,7 +398,12 @@ class _Child:
             self._spawn_quiesce()
 
     def _error_row(self, task_id: Any, attempt: int, cls: str, message: str) -> dict[str, Any]:
-        return {"task_id": task_id, "attempt": attempt, "error": {"class": cls, "message": message}, "worker_pid": self.pid}
+        return {
+            "task_id": task_id,
+            "attempt": attempt,
+            "error": {"class": cls, "message": message},
+            "worker_pid": self.pid,
+        }
 
     # -- quiescent points ---------------------------------------------------
 
@@ -425,7 +442,7 @@ class _Child:
         if self.job is not None:
             try:
                 stats = self.job.stats()
-            except Exception as exc:  # noqa: BLE001 - stats must never kill a worker
+            except Exception as exc:
                 stats = {"error": f"{type(exc).__name__}: {exc}"}
         return {
             "op": "hb",

@@ -375,8 +375,12 @@ class WorkerPool:
         seed: int | None = None,
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
     ) -> None:
-        for name, value in (("workers", workers), ("concurrency_per_worker", concurrency_per_worker),
-                            ("max_task_attempts", max_task_attempts), ("max_start_failures", max_start_failures)):
+        for name, value in (
+            ("workers", workers),
+            ("concurrency_per_worker", concurrency_per_worker),
+            ("max_task_attempts", max_task_attempts),
+            ("max_start_failures", max_start_failures),
+        ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, not {value}")
         if max_tasks_per_worker is not None and max_tasks_per_worker < 1:
@@ -385,9 +389,13 @@ class WorkerPool:
             raise ValueError(f"max_rss_mb must be > 0 or None, not {max_rss_mb}")
         if not 0 <= jitter < 1:
             raise ValueError(f"jitter must be in [0, 1), not {jitter}")
-        for name, value in (("heartbeat_s", heartbeat_s), ("heartbeat_timeout_s", heartbeat_timeout_s),
-                            ("start_timeout_s", start_timeout_s), ("exit_timeout_s", exit_timeout_s),
-                            ("lag_interval_s", lag_interval_s)):
+        for name, value in (
+            ("heartbeat_s", heartbeat_s),
+            ("heartbeat_timeout_s", heartbeat_timeout_s),
+            ("start_timeout_s", start_timeout_s),
+            ("exit_timeout_s", exit_timeout_s),
+            ("lag_interval_s", lag_interval_s),
+        ):
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, not {value}")
         if start_method not in ("forkserver", "spawn"):
@@ -494,7 +502,7 @@ class WorkerPool:
                 except trio.Cancelled:
                     self._report.cancelled = True
                     raise
-                except BaseException as exc:  # noqa: BLE001 - re-raised below, outside the nursery
+                except BaseException as exc:
                     # Kept and re-raised after the nursery, so callers see the
                     # iterable's or on_rows's own exception, not a group.
                     self._report.cancelled = isinstance(exc, KeyboardInterrupt)
@@ -578,7 +586,9 @@ class WorkerPool:
         self._main_scope: trio.CancelScope | None = None
         self._wake = trio.Event()
         self._parent_rss = psutil.Process().memory_info().rss
-        self._deliver_send, self._deliver_recv = trio.open_memory_channel[tuple[list[dict[str, Any]], TaskInfo]](math.inf)
+        self._deliver_send, self._deliver_recv = trio.open_memory_channel[tuple[list[dict[str, Any]], TaskInfo]](
+            math.inf
+        )
         self._start_lock = trio.Lock()
 
     def _finish_report(self) -> PoolReport:
@@ -653,8 +663,10 @@ class WorkerPool:
 
     def _slots(self, ignore_memory: bool) -> list[_Worker]:
         return [
-            w for w in self._workers
-            if w.state == "ready" and len(w.pending) < self.concurrency
+            w
+            for w in self._workers
+            if w.state == "ready"
+            and len(w.pending) < self.concurrency
             and (ignore_memory or not self.admission.worker_held(w.wid))
         ]
 
@@ -723,8 +735,10 @@ class WorkerPool:
             task_id, attempt = task
             if forced:
                 self._report.admission_forced += 1
-                log.warning("pool RSS %.0f MiB stays above its low-water mark with nothing in flight; admitting one task",
-                            self.admission.pool_bytes / MIB)
+                log.warning(
+                    "pool RSS %.0f MiB stays above its low-water mark with nothing in flight; admitting one task",
+                    self.admission.pool_bytes / MIB,
+                )
             self._seq += 1
             frame = encode({"op": "run", "seq": self._seq, "task_id": task_id, "attempt": attempt})
             w.pending[self._seq] = (task_id, attempt)
@@ -764,8 +778,11 @@ class WorkerPool:
                 elif w.max_rss is not None and w.rss > w.max_rss:
                     self._retire(w, "rss")
                 elif (
-                    self.admission.worker_held(w.wid) and not w.pending and w.settled
-                    and self.admission.worker_low is not None and w.rss > self.admission.worker_low
+                    self.admission.worker_held(w.wid)
+                    and not w.pending
+                    and w.settled
+                    and self.admission.worker_low is not None
+                    and w.rss > self.admission.worker_low
                 ):
                     # Idle, collected and trimmed, still above its low-water
                     # mark: it cannot come back down; recycling is the way.
@@ -949,17 +966,30 @@ class WorkerPool:
         w.ready_rss = rss
         self._consecutive_start_failures = 0
         if w.max_rss is not None and rss >= w.max_rss:
-            self._fail(PoolConfigError(
-                f"a fresh worker's RSS is {rss / MIB:.1f} MiB after setup, above its max_rss_mb of "
-                f"{w.max_rss / MIB:.1f} (jittered); it would recycle forever"))
+            self._fail(
+                PoolConfigError(
+                    f"a fresh worker's RSS is {rss / MIB:.1f} MiB after setup, above its max_rss_mb of "
+                    f"{w.max_rss / MIB:.1f} (jittered); it would recycle forever"
+                )
+            )
         elif self.admission.worker_high is not None and rss >= self.admission.worker_high:
-            self._fail(PoolConfigError(
-                f"a fresh worker's RSS is {rss / MIB:.1f} MiB after setup, above high_water_mb "
-                f"({self.admission.worker_high / MIB:.1f}); it would never be admitted"))
+            self._fail(
+                PoolConfigError(
+                    f"a fresh worker's RSS is {rss / MIB:.1f} MiB after setup, above high_water_mb "
+                    f"({self.admission.worker_high / MIB:.1f}); it would never be admitted"
+                )
+            )
         w.state = "ready"
         self._update_rss(w, rss)
-        self._emit("ready", w, rss=rss, import_s=message.get("import_s"), setup_s=message.get("setup_s"),
-                   start_s=round(w.ready_at - w.started_at, 6), allocator=w.allocator)
+        self._emit(
+            "ready",
+            w,
+            rss=rss,
+            import_s=message.get("import_s"),
+            setup_s=message.get("setup_s"),
+            start_s=round(w.ready_at - w.started_at, 6),
+            allocator=w.allocator,
+        )
         self._reconcile()
 
     def _update_rss(self, w: _Worker, rss: int) -> None:
@@ -1001,7 +1031,9 @@ class WorkerPool:
                     continue
                 limit = self.start_timeout_s if w.ready_at is None else self.heartbeat_timeout_s
                 if now - w.last_seen > limit:
-                    self._kill(w, "heartbeat" if w.ready_at is not None else "start-timeout", silent_s=now - w.last_seen)
+                    self._kill(
+                        w, "heartbeat" if w.ready_at is not None else "start-timeout", silent_s=now - w.last_seen
+                    )
             self._reconcile()
             await trio.sleep(period)
 
@@ -1060,9 +1092,12 @@ class WorkerPool:
             self._consecutive_start_failures += 1
             self._last_fatal = w.fatal or self._last_fatal
             if self._consecutive_start_failures >= self.max_start_failures:
-                self._fail(WorkerStartError(
-                    f"{self._consecutive_start_failures} worker starts failed in a row; last: "
-                    f"{self._last_fatal or f'exit code {w.exitcode}'}"))
+                self._fail(
+                    WorkerStartError(
+                        f"{self._consecutive_start_failures} worker starts failed in a row; last: "
+                        f"{self._last_fatal or f'exit code {w.exitcode}'}"
+                    )
+                )
         elif w.death == "crash" and not self._closing:
             self._report.replaced_after_crash += 1
         if w.pending:

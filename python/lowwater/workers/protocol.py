@@ -99,7 +99,7 @@ class FramedStream:
                 if len(self._buf) >= end:
                     try:
                         with memoryview(self._buf) as view:
-                            message = orjson.loads(view[HEADER.size:end])
+                            message = orjson.loads(view[HEADER.size : end])
                     except orjson.JSONDecodeError as exc:
                         raise ProtocolError(f"malformed payload: {exc}") from None
                     del self._buf[:end]

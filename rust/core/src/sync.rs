@@ -1,12 +1,31 @@
 //! Concurrency primitives the tables are written against.
 //!
-//! Normal builds use papaya's lock-free map and arc-swap's atomic slot.  Under
-//! `--cfg loom` both are replaced by stand-ins built on loom's primitives, so
-//! the loom model (tests/loom.rs) explores the tables' own protocols (take on
-//! remove, insert against close) with every interleaving loom can produce.
-//! Stand-ins hand out values after releasing their lock, as papaya hands out
-//! references that stay valid under a guard after a concurrent removal: the
-//! model must not get a serialisation the real map does not give.
+//! Normal builds use papaya's lock-free map and arc-swap's atomic slots.
+//! Under `--cfg loom` both are replaced by lock-free stand-ins built on loom's
+//! atomics (the `model` module below), so the loom models (tests/loom.rs)
+//! explore the tables' own protocols (take on remove, insert against close)
+//! with the atomics, orderings and fences production uses.
+//!
+//! The stand-ins must not order more than the real types do, or a missing
+//! fence in a table goes unnoticed (it did while they were `Mutex`es: a lock
+//! release/acquire pair orders both sides of insert-vs-close by itself).  What
+//! production guarantees, and so all the stand-ins give:
+//!
+//! * papaya: a lookup is an `Acquire` load of the entry; an insert or removal
+//!   is a `compare_exchange(Release, Acquire)` on it; a value stays readable
+//!   under a guard after a concurrent removal (reclamation is deferred).
+//! * arc-swap: `load`/`load_full` are `Acquire` (the implementation happens to
+//!   use `SeqCst` for its debt list, which its own docs do not promise for the
+//!   data); `swap` and the CAS under `rcu` are `AcqRel`.
+//!
+//! So each stand-in publishes an immutable version with a `Release` CAS and
+//! reads it with an `Acquire` load: no locks, no `SeqCst`, and no
+//! read-modify-write where production only loads (a loom RMW always reads the
+//! newest value, a plain load may read an older one, as on real hardware).
+//! The one exception is the loom [`Slot`]'s `load`, which must register as a
+//! reader (an RMW on the slot's own state) before cloning; slots are only
+//! read after the reads that close the insert-vs-close window, so this cannot
+//! hide a missing fence there.
 
 use std::borrow::Borrow;
 use std::hash::Hash;
@@ -25,7 +44,7 @@ pub(crate) struct Slot<T> {
     #[cfg(not(loom))]
     inner: arc_swap::ArcSwapOption<T>,
     #[cfg(loom)]
-    inner: loom::sync::Mutex<Option<std::sync::Arc<T>>>,
+    inner: model::Slot<T>,
 }
 
 impl<T> Slot<T> {
@@ -36,7 +55,7 @@ impl<T> Slot<T> {
         }
         #[cfg(loom)]
         {
-            Slot { inner: loom::sync::Mutex::new(Some(value)) }
+            Slot { inner: model::Slot::new(value) }
         }
     }
 
@@ -48,7 +67,7 @@ impl<T> Slot<T> {
         }
         #[cfg(loom)]
         {
-            self.inner.lock().unwrap().clone()
+            self.inner.load()
         }
     }
 
@@ -60,7 +79,7 @@ impl<T> Slot<T> {
         }
         #[cfg(loom)]
         {
-            self.inner.lock().unwrap().take()
+            self.inner.take()
         }
     }
 }
@@ -75,7 +94,7 @@ pub(crate) struct Map<K, V> {
     #[cfg(not(loom))]
     inner: papaya::HashMap<K, V, foldhash::fast::RandomState>,
     #[cfg(loom)]
-    inner: loom::sync::Mutex<std::collections::HashMap<K, std::sync::Arc<V>>>,
+    inner: model::Map<K, V>,
 }
 
 #[cfg(not(loom))]
@@ -166,15 +185,7 @@ impl<K: Hash + Eq + Clone, V> Map<K, V> {
 #[cfg(loom)]
 impl<K: Hash + Eq + Clone, V> Map<K, V> {
     pub(crate) fn new() -> Self {
-        Map { inner: loom::sync::Mutex::new(std::collections::HashMap::new()) }
-    }
-
-    fn cloned<Q>(&self, key: &Q) -> Option<std::sync::Arc<V>>
-    where
-        K: Borrow<Q>,
-        Q: Hash + Eq + ?Sized,
-    {
-        self.inner.lock().unwrap().get(key).cloned()
+        Map { inner: model::Map::new() }
     }
 
     pub(crate) fn get_with<Q, R>(&self, key: &Q, f: impl FnOnce(&V) -> R) -> Option<R>
@@ -182,8 +193,7 @@ impl<K: Hash + Eq + Clone, V> Map<K, V> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        let v = self.cloned(key);
-        v.map(|v| f(&v))
+        self.inner.get(key).map(f)
     }
 
     pub(crate) fn contains<Q>(&self, key: &Q) -> bool
@@ -191,21 +201,15 @@ impl<K: Hash + Eq + Clone, V> Map<K, V> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        self.inner.lock().unwrap().contains_key(key)
+        self.inner.get(key).is_some()
     }
 
     pub(crate) fn insert_with<R>(&self, key: K, value: V, on_old: impl FnOnce(&V) -> R) -> Option<R> {
-        let old = self.inner.lock().unwrap().insert(key, std::sync::Arc::new(value));
-        old.map(|v| on_old(&v))
+        self.inner.insert(key, value).map(on_old)
     }
 
     pub(crate) fn try_insert(&self, key: K, value: V) -> Result<(), V> {
-        let mut map = self.inner.lock().unwrap();
-        if map.contains_key(&key) {
-            return Err(value);
-        }
-        map.insert(key, std::sync::Arc::new(value));
-        Ok(())
+        self.inner.try_insert(key, value)
     }
 
     pub(crate) fn remove_with<Q, R>(&self, key: &Q, f: impl FnOnce(&V) -> R) -> Option<R>
@@ -213,42 +217,30 @@ impl<K: Hash + Eq + Clone, V> Map<K, V> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        let old = self.inner.lock().unwrap().remove(key);
-        old.map(|v| f(&v))
+        self.inner.remove_if(key, |_, _| true).map(f)
     }
 
     pub(crate) fn remove_if_with<Q, R>(
         &self,
         key: &Q,
-        mut pred: impl FnMut(&K, &V) -> bool,
+        pred: impl FnMut(&K, &V) -> bool,
         f: impl FnOnce(&V) -> R,
     ) -> Option<R>
     where
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        let old = {
-            let mut map = self.inner.lock().unwrap();
-            let hit = map.get_key_value(key).map(|(k, v)| pred(k, v)).unwrap_or(false);
-            if hit {
-                map.remove(key)
-            } else {
-                None
-            }
-        };
-        old.map(|v| f(&v))
+        self.inner.remove_if(key, pred).map(f)
     }
 
     pub(crate) fn for_each(&self, mut f: impl FnMut(&K, &V)) {
-        let items: Vec<(K, std::sync::Arc<V>)> =
-            self.inner.lock().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-        for (k, v) in items {
-            f(&k, &v);
-        }
+        self.inner.for_each(|k, v| f(k, v));
     }
 
     pub(crate) fn keys(&self) -> Vec<K> {
-        self.inner.lock().unwrap().keys().cloned().collect()
+        let mut keys = Vec::new();
+        self.inner.for_each(|k, _| keys.push(k.clone()));
+        keys
     }
 }
 
@@ -266,7 +258,7 @@ pub(crate) struct CowList<T> {
     #[cfg(not(loom))]
     inner: arc_swap::ArcSwap<Vec<T>>,
     #[cfg(loom)]
-    inner: loom::sync::Mutex<std::sync::Arc<Vec<T>>>,
+    inner: model::Versioned<T>,
 }
 
 impl<T: Clone> CowList<T> {
@@ -277,7 +269,7 @@ impl<T: Clone> CowList<T> {
         }
         #[cfg(loom)]
         {
-            CowList { inner: loom::sync::Mutex::new(std::sync::Arc::new(Vec::new())) }
+            CowList { inner: model::Versioned::new(Vec::new()) }
         }
     }
 
@@ -293,10 +285,7 @@ impl<T: Clone> CowList<T> {
         }
         #[cfg(loom)]
         {
-            let mut cur = self.inner.lock().unwrap();
-            if let Some(next) = f(&cur) {
-                *cur = std::sync::Arc::new(next);
-            }
+            self.inner.update(|cur| f(cur).map(|next| (next, ())));
         }
     }
 
@@ -308,7 +297,10 @@ impl<T: Clone> CowList<T> {
         }
         #[cfg(loom)]
         {
-            std::sync::Arc::clone(&self.inner.lock().unwrap())
+            std::sync::Arc::new(self.inner.load().to_vec())
         }
     }
 }
+
+#[cfg(loom)]
+mod model;

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
 from lowwater.environment import Environment, HarnessContext, Score, Task
 from lowwater.envs import agent
 from lowwater.envs.answers import final_answer
@@ -57,7 +58,7 @@ def index_rows(path: Path) -> tuple[array, array]:
 
 def _open(path: Path) -> Any:
     try:
-        return open(path, "rb")  # noqa: SIM115 - the caller's with closes it
+        return open(path, "rb")
     except OSError as exc:
         raise DataError(f"cannot read GSM8K data {path}: {exc.strerror}") from None
 
@@ -87,7 +88,9 @@ class GSM8KEnvironment(Environment):
         self.data = Path(data)
         self._index: tuple[array, array] | None = None
         if not self.data.is_file():
-            raise DataError(f"GSM8K data file not found: {self.data} (download test.jsonl from github.com/openai/grade-school-math)")
+            raise DataError(
+                f"GSM8K data file not found: {self.data} (download test.jsonl from github.com/openai/grade-school-math)"
+            )
 
     def tasks(self) -> Iterator[Task]:
         return read_tasks(self.data)
