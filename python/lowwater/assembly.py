@@ -43,6 +43,8 @@ class EngineConfig:
         timeout_s: whole-rollout deadline (seconds).
         harness: ``"inprocess"`` or ``"program"``.
         persistent: take runtimes from a pool (reset between uses).
+        pass_env: host variables passed to agent programs and scripts beyond
+            the runtime's allow-list (see :class:`lowwater.runtime.RuntimeConfig`).
 
     Raises:
         ValueError: a count below 1, a non-positive timeout, an unknown harness.
@@ -57,6 +59,7 @@ class EngineConfig:
     timeout_s: float = attrs.field(default=600.0, validator=v.positive("timeout", "seconds"))
     harness: str = attrs.field(default="inprocess", validator=v.one_of(HARNESSES, "harness"))
     persistent: bool = True
+    pass_env: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     def to_json(self) -> dict[str, Any]:
         """The settings a worker process needs, JSON-able."""
@@ -67,6 +70,7 @@ class EngineConfig:
         """Inverse of :meth:`to_json`."""
         data = dict(data)
         data["model"] = ModelSpec(**data["model"])
+        data["pass_env"] = tuple(data.get("pass_env", ()))
         return cls(**data)
 
 
@@ -146,7 +150,7 @@ def _runtime_config(config: EngineConfig) -> Any:
         from lowwater.runtime import RuntimeConfig
     except ImportError:  # runtime plugin disabled or absent: in-process only
         return None
-    return RuntimeConfig(kind="subprocess", persistent=config.persistent)
+    return RuntimeConfig(kind="subprocess", persistent=config.persistent, pass_env=config.pass_env)
 
 
 class EngineJob(WorkerJob):

@@ -49,6 +49,18 @@ def test_retries_honour_retry_after_and_give_up():
     run(fn, client={"retries": 2})
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "garbage", "Thu, 01 Jan 1970 00:00:00 GMT"])
+def test_a_bad_retry_after_is_absent_not_a_crash(value):
+    # trio.sleep(nan) raised inside the retry loop: the call was a bare 500.
+    async def fn(h):
+        h.upstream.retry_after = value
+        h.upstream.statuses.extend([429])
+        answer = await h.model.post("/v1/chat/completions", orjson.dumps(body("chat")))
+        assert answer.status == 200 and h.model.stats()["retried"] == 1
+
+    run(fn, client={"retries": 2, "backoff_s": 0.0})
+
+
 def test_buffer_bodies_are_sent_without_a_copy_and_per_request_timeouts():
     async def fn(h):
         raw = bytearray(orjson.dumps(body("messages")))
@@ -165,3 +177,29 @@ def test_the_interception_server_prunes_its_upstream_pool_after_a_burst():
 def test_negative_keepalive_expiry_is_refused():
     with pytest.raises(ValueError):
         ModelClient("http://x/v1", keepalive_expiry_s=-1.0)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("3", 3.0),
+        (" 7 ", 7.0),
+        ("99999", 30.0),  # clamped
+        ("0", 0.0),
+        ("nan", None),
+        ("inf", None),
+        ("-1", None),
+        ("1.5", None),
+        ("garbage", None),
+        ("", None),
+        ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0),  # in the past
+        ("Wed, 21 Oct 2015 07:28:10 GMT", 10.0),
+        ("Wed, 21 Oct 2015 08:28:00 GMT", 30.0),  # clamped
+        (None, None),
+    ],
+)
+def test_retry_after_is_parsed_per_rfc_9110(value, expected):
+    from lowwater.upstream.client import parse_retry_after
+
+    now = 1445412480.0  # Wed, 21 Oct 2015 07:28:00 GMT
+    assert parse_retry_after(value, 30.0, now=now) == expected

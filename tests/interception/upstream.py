@@ -39,7 +39,9 @@ class Upstream:
 
     Attributes:
         latency_s: sleep before answering.
-        statuses: queued error statuses, one consumed per request (429 gets ``retry-after: 0``).
+        statuses: queued error statuses, one consumed per request (429 gets
+            ``retry-after: <retry_after>``).
+        retry_after: the ``retry-after`` value sent with a 429 (default ``"0"``).
         cut_after: if set, a stream is broken off after this many events.
         hang_after: if set, a stream stops after this many events and waits
             until the client leaves (counted in ``disconnects``).
@@ -55,6 +57,7 @@ class Upstream:
     def __init__(self) -> None:
         self.latency_s = 0.0
         self.statuses: deque[int] = deque()
+        self.retry_after = "0"
         self.cut_after: int | None = None
         self.hang_after: int | None = None
         self.hang = False
@@ -77,7 +80,7 @@ class Upstream:
         self.entered.set()
         if self.statuses:
             status = self.statuses.popleft()
-            extra = [(b"retry-after", b"0")] if status == 429 else []
+            extra = [(b"retry-after", self.retry_after.encode())] if status == 429 else []
             await send(
                 {
                     "type": "http.response.start",

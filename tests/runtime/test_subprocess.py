@@ -99,7 +99,20 @@ def test_host_credentials_are_not_inherited_unless_passed(monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-host")
     monkeypatch.setenv("GH_TOKEN", "ghp-host")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-host")
+    # Names a deny-list of *KEY*/*TOKEN*/*SECRET*/*PASSWORD* patterns let through.
+    leaky = (
+        "LOWWATER_ADMIN_KEY",
+        "AWS_ACCESS_KEY_ID",
+        "DATABASE_URL",
+        "OPENAI_KEY",
+        "AZURE_OPENAI_KEY",
+        "GITHUB_PAT",
+        "SSH_AUTH_SOCK",
+    )
+    for name in leaky:
+        monkeypatch.setenv(name, "host-secret")
     monkeypatch.setenv("LW_PLAIN", "plain")
+    monkeypatch.setenv("LC_ALL", "C.UTF-8")
     show = [PY, "-c", "import json, os; print(json.dumps(dict(os.environ)))"]
 
     async def body(rt):
@@ -107,13 +120,32 @@ def test_host_credentials_are_not_inherited_unless_passed(monkeypatch):
 
         env = json.loads((await rt.run(show)).stdout)
         assert "OPENAI_API_KEY" not in env and "GH_TOKEN" not in env and "AWS_SECRET_ACCESS_KEY" not in env
-        assert env["LW_PLAIN"] == "plain" and env["FROM_CONFIG_TOKEN"] == "c"
+        assert not [name for name in leaky if name in env]
+        # Allowed: what a program needs; not allowed: anything else of the host's.
+        assert env["PATH"] == os.environ["PATH"] and env["LC_ALL"] == "C.UTF-8" and "LW_PLAIN" not in env
+        assert env["FROM_CONFIG_TOKEN"] == "c"
         env = json.loads((await rt.run(show, env={"OPENAI_API_KEY": "sk-rollout"})).stdout)
         assert env["OPENAI_API_KEY"] == "sk-rollout"
         # The explicit env is per call.
         assert "OPENAI_API_KEY" not in json.loads((await rt.run(show)).stdout)
 
     with_runtime(body, RuntimeConfig(env={"FROM_CONFIG_TOKEN": "c"}))
+
+
+def test_pass_env_adds_host_variables_but_never_the_admin_key(monkeypatch):
+    monkeypatch.setenv("LW_PLAIN", "plain")
+    monkeypatch.setenv("LW_EXTRA_1", "one")
+    monkeypatch.setenv("LOWWATER_ADMIN_KEY", "admin")
+    show = [PY, "-c", "import json, os; print(json.dumps(dict(os.environ)))"]
+
+    async def body(rt):
+        import json
+
+        env = json.loads((await rt.run(show)).stdout)
+        assert env["LW_PLAIN"] == "plain" and env["LW_EXTRA_1"] == "one"
+        assert "LOWWATER_ADMIN_KEY" not in env
+
+    with_runtime(body, RuntimeConfig(pass_env=("LW_PLAIN", "LW_EXTRA_*", "LOWWATER_ADMIN_KEY")))
 
 
 def test_inherit_env_false_starts_empty(monkeypatch):

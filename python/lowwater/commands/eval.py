@@ -69,6 +69,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         type=float,
         help="a worker above this RSS in MiB gets no new rollouts until it drops to 80 %% of it",
     )
+    p.add_argument(
+        "--pass-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="pass this host variable (or fnmatch pattern) to agent programs and scripts (repeatable); "
+        "by default they get only PATH, HOME, LANG, LANGUAGE, LC_*, TMPDIR and TZ",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
@@ -113,6 +121,7 @@ def build_config(args: argparse.Namespace) -> Any:
             max_tasks_per_worker=args.max_tasks_per_worker,
             max_rss_mb=args.max_rss_mb,
             high_water_mb=args.high_water_mb,
+            pass_env=tuple(args.pass_env),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

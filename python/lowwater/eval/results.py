@@ -17,8 +17,6 @@ each task, no loss and no duplicates.
 
 from __future__ import annotations
 
-import os
-import threading
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ import orjson
 import trio
 
 from lowwater._native import LowwaterError
+from lowwater.jsonl import LineFile, LineWriteError, write_atomic
 
 HEADER_TYPE = "lowwater.eval.header"
 
@@ -138,46 +137,44 @@ def prepare(path: Path, header: dict[str, Any], *, resume: bool, group_size: int
 
 
 def _atomic_write(path: Path, objects: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        for obj in objects:
-            f.write(orjson.dumps(obj) + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        write_atomic(path, [orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS) + b"\n" for obj in objects])
+    except OSError as exc:
+        raise ResultsFileError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
 class ResultsWriter:
-    """Appends rows to a prepared results file, one flushed line each.
+    """Appends rows to a prepared results file (mode 0600), one whole line each.
 
-    Writes run in a worker thread (``trio.to_thread.run_sync``); a lock
-    keeps concurrent rows from interleaving.  Use as a context manager or
-    call :meth:`close`.
+    Writes run in a worker thread (``trio.to_thread.run_sync``); a failed
+    write (a full disk) leaves the file at its last whole row and raises
+    :class:`ResultsFileError`, so the file stays resumable.  Use as a
+    context manager or call :meth:`close`.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._file = open(path, "ab")
-        self._lock = threading.Lock()
-        self.rows_written = 0
+        self._file = LineFile(path)
 
-    def _write(self, line: bytes) -> None:
-        with self._lock:
-            self._file.write(line)
-            self._file.flush()
-            self.rows_written += 1
+    @property
+    def rows_written(self) -> int:
+        """Rows appended by this writer."""
+        return self._file.lines_written
 
     async def write(self, row: dict[str, Any]) -> None:
-        """Serialise ``row`` (orjson) and append it as one flushed line."""
+        """Serialise ``row`` (orjson) and append it as one line.
+
+        Raises:
+            ResultsFileError: the line could not be written (nothing of it is in the file).
+        """
         line = orjson.dumps(row, option=orjson.OPT_NON_STR_KEYS) + b"\n"
-        await trio.to_thread.run_sync(self._write, line)
+        try:
+            await trio.to_thread.run_sync(self._file.append, line)
+        except LineWriteError as exc:
+            raise ResultsFileError(str(exc)) from exc
 
     def close(self) -> None:
-        with self._lock:
-            if not self._file.closed:
-                self._file.flush()
-                os.fsync(self._file.fileno())
-                self._file.close()
+        self._file.close()
 
     def __enter__(self) -> ResultsWriter:
         return self

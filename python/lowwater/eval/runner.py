@@ -74,6 +74,8 @@ class EvalConfig:
         max_tasks_per_worker, max_rss_mb, high_water_mb: recycling and
             admission settings of the worker pool (see
             :class:`lowwater.workers.WorkerPool`).
+        pass_env: host variables passed to agent programs and scripts beyond
+            the runtime's allow-list (``--pass-env``).
 
     Raises:
         ValueError: a setting out of range (the message names its flag).
@@ -100,6 +102,7 @@ class EvalConfig:
     )
     max_rss_mb: float | None = attrs.field(default=None, validator=v.optional(v.positive("max-rss-mb")))
     high_water_mb: float | None = attrs.field(default=None, validator=v.optional(v.positive("high-water-mb")))
+    pass_env: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     def engine(self) -> EngineConfig:
         """The settings that define this run's engines (here or in each worker)."""
@@ -113,6 +116,7 @@ class EvalConfig:
             timeout_s=self.timeout_s,
             harness=self.harness,
             persistent=self.persistent,
+            pass_env=self.pass_env,
         )
 
 

@@ -13,7 +13,7 @@ See ``docs/runtimes.md``.
 """
 
 from lowwater.runtime.base import (
-    DEFAULT_ENV_DENY,
+    DEFAULT_ENV_ALLOW,
     OutputLimitExceeded,
     PoolClosed,
     ProgramResult,
@@ -31,7 +31,7 @@ from lowwater.runtime.pool import RuntimePool
 from lowwater.runtime.subprocess import SubprocessRuntime
 
 __all__ = [
-    "DEFAULT_ENV_DENY",
+    "DEFAULT_ENV_ALLOW",
     "OutputLimitExceeded",
     "PoolClosed",
     "ProgramResult",

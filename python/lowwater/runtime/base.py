@@ -33,9 +33,15 @@ from lowwater._native import LowwaterError
 
 MIB = 1 << 20
 
-#: Host variables not passed to programs unless given explicitly (fnmatch
-#: patterns, matched case-insensitively against the variable name).
-DEFAULT_ENV_DENY = ("*API_KEY*", "*TOKEN*", "*SECRET*", "*PASSWORD*")
+#: Host variables a program inherits (fnmatch patterns, case-sensitive): what
+#: a program needs to run and format text, nothing that carries a credential.
+#: A deny-list passed LOWWATER_ADMIN_KEY, AWS_ACCESS_KEY_ID, DATABASE_URL,
+#: OPENAI_KEY, GITHUB_PAT and SSH_AUTH_SOCK to the agent under evaluation; an
+#: allow-list cannot miss a name it never heard of.  More with ``pass_env``.
+DEFAULT_ENV_ALLOW = ("PATH", "HOME", "LANG", "LANGUAGE", "LC_*", "TMPDIR", "TZ")
+#: Never inherited, even when ``pass_env`` names them: the key that lets a
+#: process set rewards and close other rollouts must not reach an agent.
+NEVER_INHERITED = frozenset({"LOWWATER_ADMIN_KEY"})
 
 
 # --- errors -----------------------------------------------------------------
@@ -145,12 +151,13 @@ class RuntimeConfig:
             uses) instead of starting one per rollout.
         python: the interpreter for scripts and warm workers.
         env: variables set for every program (a mapping; stored as sorted
-            pairs).  Passed even if they match ``env_deny``.
-        inherit_env: start from the host's environment (minus ``env_deny``)
-            rather than from an empty one.
-        env_deny: fnmatch patterns (case-insensitive) of host variables that
-            are never inherited: credentials stay on the host unless passed
-            explicitly in ``env`` or a call's ``env``.
+            pairs).
+        inherit_env: pass the host variables that match
+            :data:`DEFAULT_ENV_ALLOW` or ``pass_env``; ``False``: none.
+        pass_env: more host variables to pass (names or fnmatch patterns,
+            case-sensitive; ``lowwater eval --pass-env NAME``).  Credentials
+            stay on the host unless named here, set in ``env`` or passed in
+            a call's ``env``; ``LOWWATER_ADMIN_KEY`` is never inherited.
         max_output_bytes: cap per output stream of a program, and on a
             script's result (bytes).
         root: parent directory of runtimes' temporary directories
@@ -168,7 +175,7 @@ class RuntimeConfig:
     python: str = attrs.field(factory=lambda: sys.executable)
     env: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_pairs)
     inherit_env: bool = True
-    env_deny: tuple[str, ...] = attrs.field(default=DEFAULT_ENV_DENY, converter=tuple)
+    pass_env: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     max_output_bytes: int = attrs.field(default=MIB, validator=_positive)
     root: str | None = None
     warm_start_timeout_s: float = attrs.field(default=120.0, validator=_positive)
@@ -199,16 +206,21 @@ class RuntimeConfig:
 
 
 def build_env(config: RuntimeConfig, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment a program gets: the host's (if ``inherit_env``) minus
-    ``env_deny`` matches, then ``config.env``, then ``env`` (last wins).
+    """The environment a program gets: the host variables allowed by
+    :data:`DEFAULT_ENV_ALLOW` and ``config.pass_env`` (if ``inherit_env``;
+    never :data:`NEVER_INHERITED`), then ``config.env``, then ``env`` (last wins).
 
     Raises:
         TypeError: a key or value in ``env`` is not a ``str``.
     """
     out: dict[str, str] = {}
     if config.inherit_env:
-        deny = [p.upper() for p in config.env_deny]
-        out = {k: v for k, v in os.environ.items() if not any(fnmatch.fnmatchcase(k.upper(), p) for p in deny)}
+        allow = (*DEFAULT_ENV_ALLOW, *config.pass_env)
+        out = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in NEVER_INHERITED and any(fnmatch.fnmatchcase(k, p) for p in allow)
+        }
     out.update(config.env)
     if env:
         for k, v in env.items():

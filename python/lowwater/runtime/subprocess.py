@@ -9,7 +9,7 @@ Isolation it gives (and what it does not):
   own exit kills the whole group with ``SIGKILL``, so no grandchild outlives
   the call.  A program that leaves its group (``setsid``) escapes that; use a
   container runtime for untrusted code;
-* an environment without the host's credentials (``RuntimeConfig.env_deny``)
+* an environment without the host's credentials (an allow-list, ``RuntimeConfig.pass_env``)
   unless passed explicitly;
 * output capped per stream (``RuntimeConfig.max_output_bytes``): the first
   bytes of stdout, the last bytes of stderr (where a traceback ends);

@@ -24,7 +24,10 @@ runs (see ``shards.py``), which a proxy of large answers cannot afford.
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import random
+import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -315,9 +318,34 @@ async def read_answer(response: httpx.Response) -> Answer:
 
 
 def _retry_after(response: httpx.Response, cap_s: float) -> float | None:
-    """Seconds from a numeric ``Retry-After`` header, capped at ``cap_s``; ``None`` otherwise."""
-    value = response.headers.get("retry-after")
-    try:
-        return min(max(float(value), 0.0), cap_s) if value is not None else None
-    except ValueError:
+    """The delay a ``Retry-After`` header asks for, clamped to ``[0, cap_s]`` seconds."""
+    return parse_retry_after(response.headers.get("retry-after"), cap_s)
+
+
+def parse_retry_after(value: str | None, cap_s: float, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` value (RFC 9110 section 10.2.3).
+
+    The value is ``delay-seconds`` (a non-negative integer) or an HTTP-date;
+    a date in the past is 0.  The result is clamped to ``[0, cap_s]``.
+    Anything else (``nan``, ``inf``, a negative or fractional number,
+    garbage) is treated as absent: ``None``.  An upstream once sent
+    ``Retry-After: nan`` and ``trio.sleep(nan)`` turned the call into a 500.
+
+    Args:
+        value: the header's value, or ``None``.
+        cap_s: the longest wait honoured (seconds).
+        now: the current Unix time (seconds; default ``time.time()``), for HTTP-dates.
+    """
+    if value is None:
         return None
+    value = value.strip()
+    if value.isascii() and value.isdigit():
+        return min(float(int(value)), cap_s)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:  # RFC 9110 dates are GMT; a zone-less one is taken as such
+        when = when.replace(tzinfo=datetime.UTC)
+    delay = when.timestamp() - (time.time() if now is None else now)
+    return min(max(delay, 0.0), cap_s)
