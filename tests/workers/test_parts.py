@@ -13,7 +13,7 @@ import pytest
 import trio
 from hypothesis import given, settings
 
-from lowwater.workers import JobSpec, WorkerPool
+from lowwater.workers import JobSpec, PoolConfigError, WorkerPool
 from lowwater.workers.admission import Hysteresis, PoolAdmission, memory_limit_bytes
 from lowwater.workers.allocator import AllocatorSettings, apply, resolve
 from lowwater.workers.child import load_factory
@@ -220,7 +220,7 @@ def test_job_spec_and_factory_loading():
     ],
 )
 def test_pool_arguments_are_validated(kwargs):
-    with pytest.raises(ValueError):
+    with pytest.raises(PoolConfigError):  # a ValueError
         WorkerPool(JobSpec(jobs.FACTORY), **{"workers": 1, **kwargs})
 
 

@@ -3,21 +3,23 @@ and recovers from crashes.  See ``docs/workers.md``."""
 
 from lowwater.workers.admission import Hysteresis, PoolAdmission, memory_limit_bytes
 from lowwater.workers.allocator import AllocatorSettings
-from lowwater.workers.pool import (
+from lowwater.workers.config import PoolConfig
+from lowwater.workers.contract import (
     JobSpec,
     PoolConfigError,
     PoolReport,
     TaskInfo,
     WorkerJob,
-    WorkerPool,
     WorkerStartError,
 )
+from lowwater.workers.pool import WorkerPool
 
 __all__ = [
     "AllocatorSettings",
     "Hysteresis",
     "JobSpec",
     "PoolAdmission",
+    "PoolConfig",
     "PoolConfigError",
     "PoolReport",
     "TaskInfo",
