@@ -1,18 +1,17 @@
 """Built-in cleanup policies, registered as an ordinary plugin.
 
 Each policy acts at lifecycle points through methods named after the hooks
-(see :mod:`lowwater.hookspecs`).  ``lowwater.plugins.Plugins.fire`` runs them
-after the plugins' own hook implementations, so a ``group_end`` hook still
-sees the group's trajectories before eviction.
+(see :mod:`lowwater.hookspecs`).  The engine runs them after the plugins'
+own hook implementations and after its own eviction of the rollout's (or
+group's) trajectories, so a trim finds them freed.
 
-* ``trajectory-eviction`` — ungrouped trajectories at rollout end, grouped
-  ones at group end (after the group reward).  The engine checks afterwards
-  and evicts anything a disabled policy left, so disabling it cannot leak.
-* ``intercept-sweep`` — unregisters the rollout's interception slot at
-  rollout end (idempotent: the engine's close already did, this is the
-  second line) and, on worker ticks, discards intercepts held longer than
-  ``stale_after_s``: no model call legitimately lasts that long, and a stuck
-  handler must not pin a request body for the rest of the run.
+Policies do only what nothing else does: the engine alone releases a
+rollout's slot, intercepts, runtime and trajectory (docs/memory-contract.md),
+so disabling this plugin cannot leak them.
+
+* ``intercept-sweep`` — on worker ticks, discards intercepts held longer
+  than ``stale_after_s``: no model call legitimately lasts that long, and a
+  stuck handler must not pin a request body for the rest of the run.
 * ``malloc-trim`` — guarded ``malloc_trim(0)`` off the event loop after
   rollouts, groups, steps and at shutdown, rate-limited
   (:class:`lowwater.memory.Trimmer`).
@@ -33,34 +32,21 @@ from lowwater.memory import Trimmer, rss_bytes
 log = logging.getLogger("lowwater.cleanup")
 
 
-class TrajectoryEviction:
-    """Evict trajectories at rollout end (ungrouped) or group end (grouped)."""
-
-    async def rollout_end(self, rollout: Any) -> None:
-        registry = getattr(rollout, "registry", None)
-        if registry is not None:
-            registry.close_rollout(rollout.rollout_id)
-
-    async def group_end(self, group: Any) -> None:
-        group.registry.close_group(group.group_id)
-
-
 class InterceptSweep:
-    """Sweep a rollout's undelivered intercepts and, periodically, stale ones.
+    """Discard stale intercepts on worker ticks (a rollout's own are swept by
+    the engine when it unregisters the rollout's slot).
 
     Args:
         stale_after_s: an intercept held longer than this (seconds) is
             discarded on a worker tick and logged.
+
+    Attributes:
+        swept: intercepts discarded so far.
     """
 
     def __init__(self, stale_after_s: float = 3600.0) -> None:
         self.stale_after_s = stale_after_s
         self.swept = 0
-
-    async def rollout_end(self, rollout: Any) -> None:
-        interceptor = getattr(rollout, "interceptor", None)
-        if interceptor is not None:
-            self.swept += interceptor.unregister(rollout.rollout_id)
 
     async def worker_tick(self, stats: dict[str, Any]) -> None:
         table = stats.get("intercept_table")
@@ -111,7 +97,6 @@ class RssSampling:
 @hookimpl
 def register_cleanup_policies(register: Any) -> None:
     # Fresh instances per plugin load: a policy's counters belong to one run.
-    register("trajectory-eviction", TrajectoryEviction())
     register("intercept-sweep", InterceptSweep())
     register("malloc-trim", MallocTrim())
     register("rss-sampling", RssSampling())

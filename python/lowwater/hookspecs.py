@@ -87,9 +87,11 @@ def register_cleanup_policies(register: Callable[[str, Any], None]) -> None:
     Call ``register(name, policy)`` where ``policy`` is an object whose
     ``async`` methods named after lifecycle hooks (``rollout_end``,
     ``group_end``, ``step_end``, ``worker_tick``, ``shutdown``) are awaited at
-    those points with the same keyword arguments as the hooks below.
-    Built in: ``"trajectory-eviction"``, ``"intercept-sweep"``,
-    ``"malloc-trim"``, ``"rss-sampling"``.
+    those points with the same keyword arguments as the hooks below, after
+    the hooks and after the engine evicted the rollout's or group's
+    trajectories (policies never evict what the engine owns).
+    Built in: ``"intercept-sweep"`` (stale intercepts), ``"malloc-trim"``,
+    ``"rss-sampling"``.
     """
 
 

@@ -6,6 +6,12 @@ the runtime, hand the result to the caller, fire ``rollout_end``, evict the
 trajectory).  ``abort`` is ``close`` without scoring: what cancellation and
 errors take.
 
+The :class:`Engine` is the one owner of every per-rollout structure it opens
+and the one place each is released (docs/memory-contract.md): the slot (with
+its intercepts) and the runtime at the end of each attempt, the trajectory at
+rollout close (ungrouped) or group cleanup (grouped, so the group reward
+still reads every member).  Cleanup policies never evict them.
+
 Deadlines: the whole-rollout deadline starts when the rollout starts work
 (admission and queueing do not count against it), each phase has its own,
 and cleanup runs shielded under a deadline of its own, so a cancelled or
@@ -34,7 +40,11 @@ from lowwater.environment import HARNESSES, Environment, HarnessContext, Score, 
 from lowwater.trajectory import Trajectory, TrajectoryRegistry
 
 if TYPE_CHECKING:  # pragma: no cover
+    import os
+    from collections.abc import Mapping, Sequence
+
     from lowwater.interception import InterceptionServer
+    from lowwater.interception.slots import Slot
     from lowwater.plugins import Plugins
     from lowwater.runtime import Runtime, RuntimeConfig, RuntimePool
 
@@ -148,13 +158,22 @@ class Rollout:
         group_id: the group's id, or ``None``.
         attempt: 1-based attempt number (retries increment it).
         trajectory: the turns recorded so far (``None`` after eviction).
-        state: scratch space for the harness and rubric (final answer, ...).
+        state: the environment's scratch space for its harness and rubric
+            (final answer, ...): the engine never reads or writes it, except
+            to empty it before a retried attempt.
         reward: the score's reward (``None`` until scored).
         metrics: the score's metrics.
         error: ``None`` or the :class:`RolloutError` of the last attempt.
         timing: seconds spent per phase (``setup_s``, ``agent_s``,
             ``scoring_s``, ``cleanup_s``, ``total_s``).
         turn_count: turns of the last attempt (kept after eviction).
+        slot: the interception :class:`~lowwater.interception.slots.Slot` of
+            the running attempt (``base_url``, ``secret``); set by the engine
+            at open, ``None`` once it unregistered the slot at the attempt's
+            end (every exit path).
+        context: the :class:`~lowwater.environment.HarnessContext` the
+            running attempt's harness got; ``None`` before the harness starts
+            and after the attempt's end.
     """
 
     rollout_id: str
@@ -168,9 +187,8 @@ class Rollout:
     error: RolloutError | None = None
     timing: dict[str, float] = attrs.field(factory=dict)
     turn_count: int = 0
-    #: The engine's trajectory registry and interception server (for cleanup policies).
-    registry: TrajectoryRegistry | None = attrs.field(default=None, repr=False)
-    interceptor: Any = attrs.field(default=None, repr=False)
+    slot: Slot | None = attrs.field(default=None, repr=False)
+    context: HarnessContext | None = attrs.field(default=None, repr=False)
     _runtime_getter: Any = attrs.field(default=None, repr=False, alias="runtime_getter")
 
     async def runtime(self) -> Runtime:
@@ -184,6 +202,36 @@ class Rollout:
         if self._runtime_getter is None:
             raise RolloutFailed("infra", "this rollout has no runtime")
         return await self._runtime_getter()
+
+    async def run_script(
+        self,
+        script: str | os.PathLike[str],
+        args: Sequence[str] = (),
+        *,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> str:
+        """Run a script exposing ``main(argv: list[str]) -> str`` in the
+        rollout's runtime (:meth:`lowwater.runtime.Runtime.run_script`); its result.
+
+        Warm on a persistent runtime (the script is imported once per runtime,
+        then called per rollout); cold on an ephemeral one, which would pay a
+        warm worker's start for a single call.
+
+        Args:
+            script: the script's path.
+            args: its ``argv``.
+            env: variables set for this call only.
+            timeout: seconds before the call is killed; ``None``: no limit.
+
+        Raises:
+            RolloutFailed: the engine has no runtime configured.
+            lowwater.runtime.ScriptError: the script failed.
+            lowwater.runtime.ProgramTimeout: ``timeout`` expired.
+        """
+        runtime = await self.runtime()
+        warm = bool(getattr(getattr(runtime, "config", None), "persistent", False))
+        return await runtime.run_script(script, args, env=env, warm=warm, timeout=timeout)
 
     def result(self) -> dict[str, Any]:
         """The result row (JSON-serialisable); see ``docs/eval.md`` for the keys."""
@@ -228,8 +276,12 @@ class Engine:
     """Runs rollouts and groups of one environment.
 
     The engine owns the trajectory registry and, for its rollouts, their
-    interception slots and runtimes; every one is released on every exit
-    path before :meth:`run_rollout` / :meth:`run_group` return or raise.
+    interception slots and runtimes; it alone releases them, on every exit
+    path (success, error, cancellation, deadline), shielded under
+    ``deadlines.cleanup_s``, before :meth:`run_rollout` / :meth:`run_group`
+    return or raise.  Lifecycle hooks see a rollout's trajectory at
+    ``rollout_end`` and a group's at ``group_end``; cleanup policies run
+    after the eviction.
 
     Args:
         env: the environment.
@@ -290,9 +342,9 @@ class Engine:
         """Run one ungrouped rollout of ``task`` to the end (with retries).
 
         ``on_result`` is awaited with the finished rollout (success or
-        error, and on cancellation) before ``rollout_end`` fires and before
-        its trajectory is evicted; the eval runner writes the row there.
-        Cancellation propagates after cleanup.
+        error, and on cancellation) before the ``rollout_end`` hooks and
+        before its trajectory is evicted; the eval runner writes the row
+        there.  Cancellation propagates after cleanup.
         """
         rollout = self._new_rollout(rollout_id or _new_id("r"), task, None)
         try:
@@ -302,9 +354,10 @@ class Engine:
                 try:
                     if on_result is not None:
                         await on_result(rollout)
-                    await self.plugins.fire("rollout_end", rollout=rollout)
+                    await self.plugins.fire_hooks("rollout_end", rollout=rollout)
                 finally:
                     self._evict(rollout)
+                await self.plugins.fire_policies("rollout_end", rollout=rollout)
         return rollout
 
     async def run_group(
@@ -346,15 +399,14 @@ class Engine:
                             await on_result(rollout)
                     if on_group is not None:
                         await on_group(group)
-                    await self.plugins.fire("group_end", group=group)
+                    await self.plugins.fire_hooks("group_end", group=group)
                 finally:
-                    self.registry.close_group(group_id)
-                    for rollout in group.rollouts:
-                        rollout.trajectory = None
+                    self._evict_group(group)
+                await self.plugins.fire_policies("group_end", group=group)
         return group
 
     def _new_rollout(self, rollout_id: str, task: Task, group_id: str | None) -> Rollout:
-        rollout = Rollout(rollout_id, task, group_id, registry=self.registry, interceptor=self.interceptor)
+        rollout = Rollout(rollout_id, task, group_id)
         rollout._runtime_getter = lambda: self._runtime_for(rollout)
         return rollout
 
@@ -450,8 +502,7 @@ class Engine:
     async def _open(self, rollout: Rollout) -> None:
         start = time.perf_counter()
         rollout.trajectory = self.registry.open(rollout.rollout_id, task_id=rollout.task.id, group_id=rollout.group_id)
-        slot = self.interceptor.register(rollout.trajectory)
-        rollout.state["_slot"] = slot
+        rollout.slot = self.interceptor.register(rollout.trajectory)
         rollout.timing["setup_s"] = time.perf_counter() - start
 
     async def _phase(
@@ -465,7 +516,8 @@ class Engine:
             rollout.timing[key] = time.perf_counter() - start
 
     async def _run_harness(self, rollout: Rollout) -> None:
-        slot = rollout.state["_slot"]
+        slot = rollout.slot
+        assert slot is not None  # _open set it; only _release clears it
         ctx = HarnessContext(
             task=rollout.task,
             base_url=slot.base_url,
@@ -477,7 +529,7 @@ class Engine:
             rollout=rollout,
             runtime_getter=rollout.runtime,
         )
-        rollout.state["_ctx"] = ctx
+        rollout.context = ctx
         await self.env.harness(ctx)
 
     async def _score(self, rollout: Rollout) -> None:
@@ -508,9 +560,10 @@ class Engine:
         return runtime
 
     async def _release(self, rollout: Rollout) -> None:
-        """Unregister the slot (sweeping undelivered intercepts) and release the runtime."""
-        slot = rollout.state.pop("_slot", None)
-        rollout.state.pop("_ctx", None)
+        """The one release point of an attempt's slot and runtime (run shielded
+        at the end of every attempt): unregister the slot, which sweeps its
+        undelivered intercepts and answers their handlers, and release the runtime."""
+        slot, rollout.slot, rollout.context = rollout.slot, None, None
         if slot is not None:
             swept = self.interceptor.unregister(slot.rollout_id)
             if swept:
@@ -527,11 +580,17 @@ class Engine:
             log.exception("rollout %s: releasing its runtime failed", rollout.rollout_id)
 
     def _evict(self, rollout: Rollout) -> None:
-        # The trajectory-eviction policy normally did this in rollout_end; the
-        # engine makes sure, so a disabled policy cannot turn into a leak.
-        if self.registry.get(rollout.rollout_id) is not None:
-            self.registry.discard(rollout.rollout_id)
+        """The eviction point of an ungrouped trajectory: rollout close."""
+        self.registry.close_rollout(rollout.rollout_id)
         rollout.trajectory = None
+
+    def _evict_group(self, group: Group) -> None:
+        """The eviction point of grouped trajectories: group cleanup, after the
+        group reward, the result sink, ``on_group`` and the ``group_end`` hooks
+        (docs/design.md#review-findings: scoring reads them after each member's cleanup)."""
+        self.registry.close_group(group.group_id)
+        for rollout in group.rollouts:
+            rollout.trajectory = None
 
 
 def _failed_turn(trajectory: Trajectory | None) -> Any:

@@ -45,8 +45,12 @@ class ScriptedEnv(Environment):
 
     name = "scripted"
 
-    def __init__(self, prompts: list[str] | None = None) -> None:
+    def __init__(self, prompts: list[str] | None = None, table: InterceptTable | None = None) -> None:
         self.prompts = prompts or ["ok"]
+        #: The FakeInterceptor's table, where the harness holds its "in-flight call".
+        self.table = table
+        #: (slot is the rollout's, context is ctx, engine keys in state) seen by each harness call.
+        self.seen: list[tuple[bool, bool, list[str]]] = []
         self.group_calls: list[Any] = []
         self.group_rewards: list[float] | None = None
 
@@ -56,7 +60,12 @@ class ScriptedEnv(Environment):
 
     async def harness(self, ctx: HarnessContext) -> None:
         rollout = ctx.rollout
-        table = rollout.interceptor.table
+        table = self.table
+        assert table is not None, "give ScriptedEnv the FakeInterceptor's table"
+        slot = rollout.slot
+        self.seen.append(
+            (slot is not None and slot.secret == ctx.api_key, rollout.context is ctx, sorted(rollout.state))
+        )
         # Hold an intercept like an in-flight model call would.
         request_id = f"{rollout.rollout_id}-req-{rollout.attempt}"
         table.insert(request_id, rollout.rollout_id, b"x" * 1000, protocol="openai.chat", stream=False)

@@ -7,11 +7,10 @@ import types
 import trio
 
 from lowwater import InterceptTable
-from lowwater.cleanup import InterceptSweep, MallocTrim, RssSampling, TrajectoryEviction
+from lowwater.cleanup import InterceptSweep, MallocTrim, RssSampling
 from lowwater.hookspecs import hookimpl
 from lowwater.memory import MemoryRecord
 from lowwater.plugins import load
-from lowwater.trajectory import TrajectoryRegistry
 
 
 class ThirdParty:
@@ -71,23 +70,6 @@ def test_third_party_registries_and_periodic_hooks():
     assert plugin.calls == ["step:3", "policy-step:3:2", "tick:2", "shutdown"]
 
 
-def test_trajectory_eviction_is_group_aware():
-    registry = TrajectoryRegistry()
-    registry.open("solo")
-    registry.open("g-0", group_id="g")
-    registry.open("g-1", group_id="g")
-    policy = TrajectoryEviction()
-
-    async def main():
-        for rid in ("solo", "g-0", "g-1"):
-            await policy.rollout_end(types.SimpleNamespace(rollout_id=rid, registry=registry))
-        assert set(registry) == {"g-0", "g-1"}  # grouped ones wait for the group
-        await policy.group_end(types.SimpleNamespace(group_id="g", registry=registry))
-
-    trio.run(main)
-    assert len(registry) == 0 and registry.stats()["groups"] == 0
-
-
 def test_intercept_sweep_discards_stale_intercepts_on_tick():
     table = InterceptTable()
     table.open_rollout("r")
@@ -102,12 +84,12 @@ def test_intercept_sweep_discards_stale_intercepts_on_tick():
     assert len(table) == 0 and policy.swept == 1
 
 
-def test_intercept_sweep_unregisters_at_rollout_end():
-    unregistered = []
-    interceptor = types.SimpleNamespace(unregister=lambda rid: unregistered.append(rid) or 2)
-    policy = InterceptSweep()
-    trio.run(lambda: policy.rollout_end(types.SimpleNamespace(rollout_id="r1", interceptor=interceptor)))
-    assert unregistered == ["r1"] and policy.swept == 2
+def test_builtin_policies_leave_rollout_structures_to_the_engine():
+    # The engine is the one owner of slots and trajectories: no built-in
+    # policy acts at rollout_end except the allocator trim.
+    p = load(disabled=())
+    acting = {name for name, policy in p.cleanup_policies.items() if callable(getattr(policy, "rollout_end", None))}
+    assert acting == {"malloc-trim"}
 
 
 def test_rss_sampling_and_bounded_record():

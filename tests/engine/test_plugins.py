@@ -19,7 +19,7 @@ def test_builtins_are_discovered_through_entry_points():
     assert {"cleanup", "environments", "protocols", "runtime-subprocess"} <= names
     assert all(i.dist == "lowwater" for i in p.infos if i.name in {"cleanup", "environments"})
     assert "arithmetic" in p.environments
-    assert {"trajectory-eviction", "intercept-sweep", "malloc-trim", "rss-sampling"} == set(p.cleanup_policies)
+    assert {"intercept-sweep", "malloc-trim", "rss-sampling"} == set(p.cleanup_policies)
     assert p.failures == []
 
 

@@ -34,8 +34,8 @@ class Recorder:
 def make_engine(prompts, *, deadlines=Deadlines(), retry=RetryPolicy(), plugins=None):
     recorder = Recorder()
     plugins = plugins or load(disabled=(), extra=[("recorder", recorder)])
-    env = ScriptedEnv(prompts)
     interceptor = FakeInterceptor()
+    env = ScriptedEnv(prompts, interceptor.table)
     engine = Engine(env, interceptor, plugins, http=None, deadlines=deadlines, retry=retry)
     return engine, env, interceptor, recorder
 
@@ -202,9 +202,10 @@ def test_group_cancelled_mid_run_is_evicted():
     assert_empty(engine, interceptor)
 
 
-def test_disabled_eviction_policy_cannot_leak():
+def test_disabled_cleanup_plugin_cannot_leak():
+    # The engine alone evicts and releases: no policy is needed for it.
     plugins = load(disabled=("cleanup",))
-    assert "trajectory-eviction" not in plugins.cleanup_policies
+    assert plugins.cleanup_policies == {}
     engine, env, interceptor, _ = make_engine(["ok", "raise"], plugins=plugins)
 
     async def main():
@@ -260,3 +261,142 @@ def test_group_size_must_be_positive():
 def test_unknown_harness():
     with pytest.raises(ValueError, match="harness"):
         Engine(ScriptedEnv(), FakeInterceptor(), Plugins(), None, harness="docker")
+
+
+def test_slot_and_context_are_rollout_attributes_not_state():
+    engine, env, interceptor, _ = make_engine(["ok", "raise", "hang"], deadlines=Deadlines(rollout_s=0.2))
+
+    async def main():
+        return [await engine.run_rollout(task) for task in env.tasks()]
+
+    rollouts = trio.run(main)
+    # During the harness: the slot is the one ctx carries, the context is ctx,
+    # and the engine put nothing in the environment's state.
+    assert env.seen == [(True, True, [])] * 3
+    assert rollouts[0].state == {"final_text": "A: 42"}
+    assert [r.state for r in rollouts[1:]] == [{}, {}]
+    # Released on success, error and timeout.
+    assert all(r.slot is None and r.context is None for r in rollouts)
+    assert_empty(engine, interceptor)
+
+
+def test_cancelled_rollout_releases_slot_and_context():
+    engine, env, interceptor, _ = make_engine(["hang"])
+    started = []
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+
+            async def one():
+                started.append(await engine.run_rollout(next(env.tasks())))
+
+            nursery.start_soon(one)
+            await trio.sleep(0.1)
+            assert len(interceptor.slots) == 1 and len(engine.registry) == 1
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert started == []  # cancellation propagated, after cleanup
+    assert env.seen == [(True, True, [])]
+    assert_empty(engine, interceptor)
+
+
+class Order:
+    """Records what a hook and a policy see at rollout_end and group_end."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, int]] = []
+
+    @hookimpl
+    async def rollout_end(self, rollout):
+        self.seen.append(("hook", "rollout_end", rollout.trajectory is not None))
+
+    @hookimpl
+    async def group_end(self, group):
+        self.seen.append(("hook", "group_end", len(group.trajectories())))
+
+
+class OrderPolicy:
+    def __init__(self, order: Order) -> None:
+        self.order = order
+
+    async def rollout_end(self, rollout):
+        self.order.seen.append(("policy", "rollout_end", rollout.trajectory is not None))
+
+    async def group_end(self, group):
+        self.order.seen.append(("policy", "group_end", len(group.trajectories())))
+
+
+def _order_engine(prompts):
+    order = Order()
+    plugins = load(disabled=("cleanup",), extra=[("order", order)])
+    plugins.cleanup_policies["order"] = OrderPolicy(order)
+    engine, env, interceptor, _ = make_engine(prompts, plugins=plugins)
+    return engine, env, interceptor, order
+
+
+def test_hooks_read_trajectories_and_policies_run_after_eviction():
+    engine, env, interceptor, order = _order_engine(["ok"])
+
+    async def main():
+        await engine.run_rollout(next(env.tasks()))
+        await engine.run_group(next(env.tasks()), 2)
+
+    trio.run(main)
+    assert order.seen[:2] == [("hook", "rollout_end", True), ("policy", "rollout_end", False)]
+    # A group member's trajectory outlives its own rollout_end (members end
+    # concurrently); the group's hooks read both, its policies run once they
+    # are evicted.
+    assert sorted(order.seen[2:6]) == [("hook", "rollout_end", True)] * 2 + [("policy", "rollout_end", True)] * 2
+    assert order.seen[6:] == [("hook", "group_end", 2), ("policy", "group_end", 0)]
+    assert_empty(engine, interceptor)
+
+
+@pytest.mark.parametrize("failure", ["raise", "hang"])
+def test_a_failing_result_sink_still_evicts(failure):
+    engine, env, interceptor, _ = make_engine(["ok"], deadlines=Deadlines(cleanup_s=0.2))
+
+    async def on_result(rollout):
+        if failure == "hang":
+            await trio.sleep_forever()  # the cleanup deadline ends it
+        raise OSError("disk full")
+
+    async def main():
+        if failure == "raise":
+            with pytest.raises(OSError):
+                await engine.run_rollout(next(env.tasks()), on_result=on_result)
+            with pytest.raises(OSError):
+                await engine.run_group(next(env.tasks()), 2, on_result=on_result)
+        else:
+            await engine.run_rollout(next(env.tasks()), on_result=on_result)
+            await engine.run_group(next(env.tasks()), 2, on_result=on_result)
+
+    trio.run(main)
+    assert_empty(engine, interceptor)
+
+
+def test_group_cancelled_during_the_group_reward_is_evicted():
+    engine, env, interceptor, _ = make_engine(["ok"])
+    reward_started = trio.Event()
+
+    async def hang(group):
+        reward_started.set()
+        await trio.sleep_forever()
+
+    env.group_reward = hang
+    rows = []
+
+    async def on_result(rollout):
+        rows.append(rollout.result())
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: engine.run_group(next(env.tasks()), 3, on_result=on_result))
+            await reward_started.wait()
+            # Members are closed (slots gone), their trajectories still held.
+            assert interceptor.slots == {} and len(engine.registry) == 3
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert len(rows) == 3
+    assert_empty(engine, interceptor)
