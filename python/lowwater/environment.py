@@ -4,16 +4,21 @@ An **environment** is a plugin (``register_environments``) that supplies a
 taskset (tasks yielded lazily, never a whole dataset per worker), a harness
 (how the agent runs: an in-process coroutine or a program inside a runtime)
 and a rubric (a per-rollout score, optionally a group reward).
+
+Environments use these types, :class:`lowwater.rollout.Rollout` and the
+helpers of :mod:`lowwater.harness`; nothing else of lowwater's runtime.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
 if TYPE_CHECKING:  # pragma: no cover
+    import os
+
     import httpx
 
     from lowwater.rollout import Group, Rollout
@@ -82,6 +87,18 @@ class HarnessContext:
         """
         return await self._runtime_getter()
 
+    async def run_script(
+        self,
+        script: str | os.PathLike[str],
+        args: Sequence[str] = (),
+        *,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> str:
+        """Run a script's ``main(argv) -> str`` in the rollout's runtime, warm
+        on a persistent runtime: :meth:`lowwater.rollout.Rollout.run_script`."""
+        return await self.rollout.run_script(script, args, env=env, timeout=timeout)
+
     def program_env(self) -> dict[str, str]:
         """Environment variables pointing an agent program at this slot
         (OpenAI and Anthropic SDK conventions)."""
@@ -126,7 +143,8 @@ class Environment:
         Model calls go through ``ctx.base_url`` and are recorded as turns of
         ``ctx.rollout.trajectory`` by the interception server; the harness
         stores whatever the rubric needs (such as the final answer) in
-        ``ctx.rollout.state``.
+        ``ctx.rollout.state``, which belongs to the environment alone.
+        :mod:`lowwater.harness` has ready-made agents.
         """
         raise NotImplementedError
 

@@ -1,41 +1,16 @@
-"""Final-answer extraction and numeric comparison shared by the built-in rubrics.
-
-Recorded GSM8K solutions end in ``A: N`` and GSM8K references in ``#### N``
-(see ``../shared/data/gsm8k``); agents are asked for ``A: N``.  Numbers may
-carry ``$``, ``%``, thousands separators or a trailing period.
-"""
+"""Moved to :mod:`lowwater.harness` (public and stable); this path warns and
+goes away in the next release."""
 
 from __future__ import annotations
 
-import re
-from fractions import Fraction
+import warnings
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+from lowwater.harness import final_answer, same_number, to_number
 
+__all__ = ["final_answer", "same_number", "to_number"]
 
-def final_answer(text: str | None) -> str | None:
-    """The text after the last ``A:`` or ``####`` marker line, or ``None``."""
-    if not text:
-        return None
-    matches = list(re.finditer(r"(?m)^\s*(?:A:|####)\s*(.*?)\s*$", text))
-    return matches[-1].group(1) if matches else None
-
-
-def to_number(text: str | None) -> Fraction | None:
-    """The first number in ``text`` as an exact fraction, or ``None``."""
-    if text is None:
-        return None
-    match = _NUMBER.search(text.replace("$", ""))
-    if match is None:
-        return None
-    raw = match.group(0).replace(",", "")
-    try:
-        return Fraction(raw)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def same_number(answer: str | None, reference: str | None) -> bool:
-    """True if both contain a number and the numbers are equal (exactly)."""
-    a, b = to_number(answer), to_number(reference)
-    return a is not None and b is not None and a == b
+warnings.warn(
+    "lowwater.envs.answers moved to lowwater.harness; the old path goes away in the next release",
+    DeprecationWarning,
+    stacklevel=2,
+)

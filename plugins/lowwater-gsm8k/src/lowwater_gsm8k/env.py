@@ -1,4 +1,8 @@
-"""The GSM8K environment: streamed taskset, calculator tool loop, math-verify rubric."""
+"""The GSM8K environment: streamed taskset, calculator tool loop, math-verify rubric.
+
+Uses lowwater's public API only (``lowwater.environment``, ``lowwater.harness``,
+``lowwater.rollout``), as any third-party plugin would.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,7 @@ from typing import Any
 import orjson
 
 from lowwater.environment import Environment, HarnessContext, Score, Task
-from lowwater.envs import agent
-from lowwater.envs.answers import final_answer
-from lowwater.envs.default import run_program_agent
+from lowwater.harness import final_answer, run_calculator_agent
 from lowwater.rollout import Rollout, RolloutFailed
 
 VERIFY_SCRIPT = Path(__file__).with_name("verify_script.py")
@@ -118,23 +120,15 @@ class GSM8KEnvironment(Environment):
             return _parse(self.data, numbers[row], row, f.readline())
 
     async def harness(self, ctx: HarnessContext) -> None:
-        if ctx.harness == "program":
-            text = await run_program_agent(ctx)
-        else:
-            text = await agent.chat_tool_loop(
-                ctx.http, ctx.base_url, ctx.api_key, ctx.task.prompt, model=ctx.model, max_turns=ctx.max_turns
-            )
-        ctx.rollout.state["final_text"] = text
+        ctx.rollout.state["final_text"] = await run_calculator_agent(ctx)
 
     async def score(self, rollout: Rollout) -> Score:
         answer = final_answer(rollout.state.get("final_text"))
         if answer is None:
             return Score(0.0, {"correct": False, "answer": None})
-        runtime = await rollout.runtime()
         # Warm on a persistent runtime: math-verify is imported once per
         # worker, not once per rollout (the 0.2 s-per-score incident).
-        warm = bool(getattr(getattr(runtime, "config", None), "persistent", False))
-        verdict = await runtime.run_script(str(VERIFY_SCRIPT), [answer, rollout.task.answer], warm=warm)
+        verdict = await rollout.run_script(VERIFY_SCRIPT, [answer, rollout.task.answer])
         verdict = verdict.strip()
         if verdict not in ("0", "1"):
             raise RolloutFailed("environment", f"verify script answered {verdict[:80]!r}")
