@@ -355,8 +355,8 @@ async def hold_open(proxy_url: str, gate_url: str, proxy_pid: int, n: int) -> di
 
 def gate_child() -> None:
     """An upstream that answers chat completions at once, or holds them while the gate is closed."""
-    from lowwater.asgi import handle, read_body, send_json, serve
     from lowwater.commands.proxy import raise_open_file_limit
+    from lowwater.http import handle, read_body, send_json, serve
 
     raise_open_file_limit()
     answer = {
@@ -379,7 +379,7 @@ def gate_child() -> None:
 
     async def route(scope, receive, send):
         path = scope["path"]
-        await read_body(receive, 1 << 20)
+        await read_body(scope, receive, 1 << 20)
         if path == "/gate/hold":
             state["open"] = trio.Event()
         elif path == "/gate/release":

@@ -34,7 +34,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import MIB, emit, progress, rss_bytes, target
-from lowwater.asgi import serve
+from lowwater.http import serve
 from lowwater.trainer.shards import ShardConsumer, ShardRef, ShardStore, clear_batch
 
 

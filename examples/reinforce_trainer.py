@@ -40,7 +40,7 @@ def consumer_process(conn: Any) -> None:
     import numpy as np
     import trio
 
-    from lowwater.asgi import serve
+    from lowwater.http import serve
     from lowwater.memory import rss_bytes
     from lowwater.trainer.shards import ShardConsumer, ShardRef
 

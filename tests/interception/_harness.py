@@ -11,7 +11,7 @@ import httpx
 import trio
 import trio.testing
 
-from lowwater.asgi import serve
+from lowwater.http import serve
 from lowwater.interception import InterceptionServer
 from lowwater.trajectory import Trajectory
 from lowwater.upstream.client import ModelClient

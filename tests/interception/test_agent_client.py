@@ -14,7 +14,7 @@ import httpx
 import pytest
 import trio
 
-from lowwater.asgi import serve
+from lowwater.http import serve
 from lowwater.upstream.agent_client import AgentClient
 
 from .upstream import Upstream

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lowwater.asgi import serve
+from lowwater.http import serve
 from lowwater.interception import InterceptionServer
 from lowwater.testing.background import BackgroundTrio
 from lowwater.testing.strategies import malformed_bodies, request_bodies

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from lowwater.asgi import HTTPError
+from lowwater.http import HTTPError
 from lowwater.interception import AnthropicMessages, OpenAIChat, OpenAIResponses
 from lowwater.interception.sse import SSEParser
 

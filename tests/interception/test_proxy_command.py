@@ -14,9 +14,9 @@ import pytest
 import trio
 
 from lowwater import cli
-from lowwater.asgi import serve
 from lowwater.commands import proxy
 from lowwater.commands.proxy import ProxyConfig, config_from_args, serve_proxy
+from lowwater.http import serve
 
 from ._harness import GUARD_S, body
 from .test_failures import until

@@ -13,9 +13,9 @@ import pytest
 import trio
 
 from lowwater import cli
-from lowwater.asgi import serve
 from lowwater.commands import proxy
 from lowwater.commands.proxy import ProxyConfig, config_from_args, serve_proxy
+from lowwater.http import serve
 from lowwater.trainer.sessions import SessionConfig, load_dump
 
 from ._harness import GUARD_S, body

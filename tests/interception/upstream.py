@@ -16,7 +16,7 @@ import orjson
 import trio
 import trio.lowlevel
 
-from lowwater.asgi import HTTPError, handle, read_body, send_json
+from lowwater.http import HTTPError, handle, read_body, send_json
 
 Json = dict[str, Any]
 
@@ -74,7 +74,7 @@ class Upstream:
         path = scope["path"]
         if path == "/v1/models":
             return await send_json(send, 200, {"object": "list", "data": [{"id": "scripted", "object": "model"}]})
-        body = orjson.loads(await read_body(receive, 1 << 30))
+        body = orjson.loads(await read_body(scope, receive, 1 << 30))
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         self.received.append((path, headers, body))
         self.entered.set()

@@ -8,8 +8,8 @@ import orjson
 import pytest
 import trio
 
-from lowwater.asgi import serve
 from lowwater.envs.arithmetic import problem
+from lowwater.http import serve
 from lowwater.serve_model import ScriptedModel, build_app, tokens
 from lowwater.serve_model.replay import annotations
 
@@ -284,10 +284,12 @@ def test_routes_methods_and_body_limit():
             url = f"http://{address}"
             r = await client.get(url + "/v1/models")
             assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["tiny"]
-            assert (await client.post(url + "/v1/models")).status_code == 405
-            assert (await client.get(url + "/v1/chat/completions")).status_code == 405
+            r = await client.post(url + "/v1/models")
+            assert r.status_code == 405 and r.headers["allow"] == "GET"
+            r = await client.get(url + "/v1/messages")
+            assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["type"] == "error"
             r = await client.post(url + "/v2/chat", json={})
-            assert r.status_code == 404 and "no route" in r.json()["error"]["message"]
+            assert r.status_code == 404 and "no endpoint POST /v2/chat" in r.json()["error"]["message"]
             big = start("messages", "x" * 2000)
             r = await client.post(url + "/v1/messages", json=big)
             assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"

@@ -18,7 +18,7 @@ import numpy as np
 import orjson
 import trio
 
-from lowwater.asgi import serve
+from lowwater.http import serve
 from lowwater.trainer.shards import ShardConsumer, ShardRef, ShardStore
 
 

@@ -6,7 +6,7 @@ import httpx
 import numpy as np
 import trio
 
-from lowwater.asgi import serve
+from lowwater.http import serve
 from lowwater.trainer import Batch, Lowwater, SyncLowwater, TrainerConfig
 from lowwater.trainer.producer import SHARD_NAMES, group_advantages
 from lowwater.trainer.shards import ShardConsumer

@@ -7,6 +7,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 import hypothesis.strategies as st
@@ -16,7 +17,7 @@ import pytest
 import trio
 from hypothesis import given, settings
 
-from lowwater.asgi import serve
+from lowwater.http import serve
 from lowwater.trainer.shards import (
     BatchReader,
     ShardConsumer,
@@ -99,6 +100,16 @@ def test_put_get_delete_over_http_raw_bytes():
             "DELETE", f"http://{store.address}/shards", content=orjson.dumps({"ids": ["a/b", "nope"]})
         )
         assert r.json()["removed"] == 1 and r.json()["stats"]["entries"] == 0
+        # The id is the path as the server decoded it once: "%41" stays in the id.
+        r = await client.put(f"http://{store.address}/shards/{quote('x%41', safe='')}", content=data, headers=headers)
+        assert r.status_code == 201 and r.json()["shard_id"] == "x%41"
+        # Fixed paths come first; a shard may still be called "stats".
+        r = await client.put(f"http://{store.address}/shards/stats", content=data, headers=headers)
+        assert r.status_code == 201 and r.json()["shard_id"] == "stats"
+        r = await client.get(f"http://{store.address}/shards/stats")
+        assert r.json()["entries"] == 2
+        r = await client.post(f"http://{store.address}/shards/x")
+        assert r.status_code == 405 and r.headers["allow"] == "GET, PUT"
 
     trio.run(_with_owner, body)
 

@@ -279,12 +279,12 @@ class Admin:
         server.on_pruned = lambda closed: self._dirty.set()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        from lowwater.asgi import handle
+        from lowwater.http import handle
 
         await handle(scope, receive, send, self._route)
 
     def _check_key(self, scope: Any) -> None:
-        from lowwater.asgi import HTTPError
+        from lowwater.http import HTTPError
 
         if self.admin_key is None:
             return
@@ -302,7 +302,7 @@ class Admin:
     async def _route(self, scope: Any, receive: Any, send: Any) -> None:
         import trio
 
-        from lowwater.asgi import HTTPError, parse_json, read_body, send_bytes, send_json
+        from lowwater.http import HTTPError, parse_json, read_body, send_bytes, send_json
 
         self._check_key(scope)
         method, path = scope["method"], scope["path"].rstrip("/")
@@ -315,7 +315,7 @@ class Admin:
                 return await send_json(send, 200, {"rollouts": sorted(self.trajectories)})
             if method != "POST":
                 raise HTTPError(405, "use POST to open a rollout")
-            raw = await read_body(receive, 1 << 20)
+            raw = await read_body(scope, receive, 1 << 20)
             options = parse_json(raw) if raw.strip() else {}
             return await send_json(send, 200, self.open(options, _host(scope)))
         if path.startswith("/lowwater/rollouts/"):
@@ -333,7 +333,7 @@ class Admin:
             if method != "POST":
                 raise HTTPError(405, "use POST to set a reward")
             session_id = unquote(path.removeprefix("/lowwater/sessions/").removesuffix("/reward"))
-            body = parse_json(await read_body(receive, 1 << 20))
+            body = parse_json(await read_body(scope, receive, 1 << 20))
             if not isinstance(body, dict) or "reward" not in body:
                 raise HTTPError(400, 'body must be {"reward": NUMBER}')
             with _session_errors():
@@ -342,7 +342,7 @@ class Admin:
         if path == "/lowwater/export":
             if method != "POST":
                 raise HTTPError(405, "use POST to export sessions")
-            body = parse_json(await read_body(receive, 16 << 20))
+            body = parse_json(await read_body(scope, receive, 16 << 20))
             if (
                 not isinstance(body, dict)
                 or not isinstance(body.get("session_ids"), list)
@@ -359,8 +359,8 @@ class Admin:
         raise HTTPError(404, f"no endpoint {method} {path}")
 
     def open(self, options: Any, host: str | None) -> dict[str, Any]:
-        """Register a rollout; :class:`~lowwater.asgi.HTTPError` 400/409 on bad options."""
-        from lowwater.asgi import HTTPError
+        """Register a rollout; :class:`~lowwater.http.HTTPError` 400/409 on bad options."""
+        from lowwater.http import HTTPError
 
         if not isinstance(options, dict):
             raise HTTPError(400, "body must be a JSON object")
@@ -390,10 +390,10 @@ class Admin:
         return {"rollout_id": rollout_id, "base_url": f"{root}/v1", "anthropic_base_url": root, "api_key": slot.secret}
 
     async def close(self, rollout_id: str) -> dict[str, Any]:
-        """Unregister, write the trajectory's line, evict; :class:`~lowwater.asgi.HTTPError` 404 if unknown."""
+        """Unregister, write the trajectory's line, evict; :class:`~lowwater.http.HTTPError` 404 if unknown."""
         import trio
 
-        from lowwater.asgi import HTTPError
+        from lowwater.http import HTTPError
 
         trajectory = self.trajectories.get(rollout_id)
         if trajectory is None:
@@ -454,7 +454,7 @@ class Admin:
 
     async def cleanup_pass(self) -> Any:
         """One pass (see the module docstring); returns the store's :class:`~lowwater.trainer.sessions.CleanupReport`."""
-        from lowwater.asgi import HTTPError
+        from lowwater.http import HTTPError
 
         assert self.store is not None, "sessions are off"
         report = await self.store.cleanup_pass()
@@ -491,7 +491,7 @@ class Admin:
 
     async def close_all(self) -> int:
         """Close every open rollout (at shutdown); returns how many were written."""
-        from lowwater.asgi import HTTPError
+        from lowwater.http import HTTPError
 
         written = 0
         for rollout_id in list(self.trajectories):
@@ -533,7 +533,7 @@ def _session_errors() -> Any:
     """Map :class:`~lowwater.trainer.sessions.SessionError` to 404 (unknown) or 409, ValueError to 400."""
     import contextlib
 
-    from lowwater.asgi import HTTPError
+    from lowwater.http import HTTPError
     from lowwater.trainer.sessions import SessionError
 
     @contextlib.contextmanager

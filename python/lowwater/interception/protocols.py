@@ -1,7 +1,7 @@
 """Wire protocols of the interception server.
 
 A :class:`Protocol` knows one endpoint's wire format.  It validates a
-request (:class:`~lowwater.asgi.HTTPError` 400 with a reason), names the
+request (:class:`~lowwater.http.HTTPError` 400 with a reason), names the
 messages a turn's delta is computed from, optionally rewrites the body sent
 upstream (model override, logprob capture), and turns an upstream answer,
 whole or streamed, into what the turn records: completion, finish reason,
@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import orjson
 
-from lowwater.asgi import HTTPError
+from lowwater.http import HTTPError
 from lowwater.interception.sse import encode
 
 Json = dict[str, Any]

@@ -27,22 +27,37 @@ malformed answer) and 504 (upstream timeout).  None is a 500.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
 import uuid
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 import orjson
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve as hypercorn_serve
 
 from lowwater._native import BufferFull, InterceptTable, RolloutClosed
-from lowwater.asgi import HTTPError, Receive, Scope, Send, lifespan
+from lowwater.http import (
+    App,
+    HTTPError,
+    Receive,
+    Router,
+    Scope,
+    Send,
+    lifespan,
+    parse_json,
+    read_body,
+    request_keys,
+    send_bytes,
+    send_error,
+    send_json,
+    serve,
+)
+from lowwater.http.routes import normalise
 from lowwater.interception.protocols import Completion, Protocol, builtin_protocols
 from lowwater.interception.slots import Slot, SlotRegistry, new_secret
 from lowwater.interception.sse import SSEParser
@@ -57,17 +72,17 @@ DEFAULT_PRUNE_INTERVAL_S = 5.0
 MIN_PRUNE_INTERVAL_S = 0.1
 # Request headers that change what the upstream does, passed on as sent.
 _FORWARD_HEADERS = (b"anthropic-version", b"anthropic-beta", b"openai-beta")
-# After a 413, the rest of the body is read and thrown away (up to this long)
-# so the client, still writing, reads the 413 instead of a connection reset.
-_DRAIN_S = 5.0
+# Agents keep connections between turns; a turn may take minutes (seconds).
+KEEP_ALIVE_S = 75.0
+# Thousands of rollouts may connect at once (hypercorn's default backlog is
+# 100; the kernel caps it at net.core.somaxconn).
+BACKLOG = 4096
 # A send to the client is never interrupted by a rollout's cancellation: a
 # cancel that lands inside hypercorn's ``send`` leaves the keep-alive
 # connection half-written, and the agent's next request on it was never
 # answered (found as a hung ``lowwater eval``).  A client that reads nothing
 # for this long is cut off instead.
 SEND_TIMEOUT_S = 60.0
-
-App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class InterceptionServer:
@@ -122,16 +137,19 @@ class InterceptionServer:
         self.max_body_bytes = max_body_bytes
         self.request_logprobs = request_logprobs
         self.routes: dict[str, Protocol] = {}
+        self._router = Router(error_body=self._error_body)
+        self._router.add("GET", "/v1/models", self._models)
         names: set[str] = set()
         for protocol in protocols if protocols is not None else builtin_protocols():
-            if protocol.path in self.routes or protocol.name in names:
+            path = normalise(protocol.path)
+            if path in self.routes or protocol.name in names:
                 raise ValueError(f"protocol {protocol.name!r} ({protocol.path}) clashes with one already given")
-            self.routes[protocol.path.rstrip("/")] = protocol
+            self.routes[path] = protocol
+            self._router.add("POST", path, functools.partial(self._call, protocol))
             names.add(protocol.name)
         self.url = ""
         self.on_pruned: Callable[[int], None] | None = None
         self.slots = SlotRegistry()
-        self._mounts: list[tuple[str, App]] = []
         self._watchers: trio.Nursery | None = None
         # Request ids: unique per server and cheap (uuid4 reads os.urandom per call).
         self._id_prefix = uuid.uuid4().hex[:12]
@@ -151,24 +169,12 @@ class InterceptionServer:
         Raises:
             OSError: the address cannot be bound.
         """
-        config = Config()
-        config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-        config.accesslog = None
-        config.errorlog = logging.getLogger("lowwater.http")
-        # Agents keep connections between turns; a turn may take minutes.
-        config.keep_alive_timeout = 75
-        config.h11_max_incomplete_size = 64 * 1024
-        # Thousands of rollouts may connect at once (hypercorn's default
-        # backlog is 100; the kernel caps it at net.core.somaxconn).
-        config.backlog = 4096
-
-        async def _serve(*, task_status: trio.TaskStatus[list[str]]) -> None:
-            await hypercorn_serve(self, config, task_status=task_status)  # type: ignore[arg-type]
-
         async with trio.open_nursery() as nursery:
             self._watchers = nursery
-            binds: list[str] = await nursery.start(_serve)
-            self.url = "http://" + binds[0].split("://", 1)[1]
+            address = await nursery.start(
+                functools.partial(serve, self, host, port, keep_alive_s=KEEP_ALIVE_S, backlog=BACKLOG)
+            )
+            self.url = f"http://{address}"
             nursery.start_soon(self._prune_upstreams)
             task_status.started(self.url)
 
@@ -242,7 +248,7 @@ class InterceptionServer:
     def mount(self, prefix: str, app: App) -> None:
         """Route requests whose path starts with ``prefix`` to another ASGI ``app``
         (``lowwater proxy`` mounts its admin endpoints at ``/lowwater/``)."""
-        self._mounts.append((prefix, app))
+        self._router.mount(prefix, app)
 
     # -- ASGI ----------------------------------------------------------------------
 
@@ -251,43 +257,35 @@ class InterceptionServer:
             return await lifespan(receive, send)
         if scope["type"] != "http":
             return
-        send = _shielded(send)
-        path = scope["path"].rstrip("/") or "/"
-        for prefix, app in self._mounts:
-            if path.startswith(prefix.rstrip("/")):
-                return await app(scope, receive, send)
-        protocol = self.routes.get(path)
-        try:
-            await self._route(scope, receive, send, path, protocol)
-        except HTTPError as err:
-            await _send_error(send, protocol, err)
+        await self._router.dispatch(scope, receive, _shielded(send))
 
-    async def _route(self, scope: Scope, receive: Receive, send: Send, path: str, protocol: Protocol | None) -> None:
-        method = scope["method"]
-        if path == "/v1/models":
-            if method != "GET":
-                raise HTTPError(405, f"{path} takes GET, not {method}")
-            slot = self._authenticate(scope)
-            name = slot.upstream.model or "lowwater-upstream"
-            model = {
-                "id": name,
-                "object": "model",
-                "type": "model",
-                "created": 0,
-                "owned_by": "lowwater",
-                "display_name": name,
-                "created_at": "1970-01-01T00:00:00Z",
-            }
-            return await _send_json(
-                send, 200, {"object": "list", "data": [model], "has_more": False, "first_id": name, "last_id": name}
-            )
-        if protocol is None:
-            raise HTTPError(404, f"no endpoint {method} {path}")
-        if method != "POST":
-            raise HTTPError(405, f"{path} takes POST, not {method}")
+    def _error_body(self, scope: Scope, err: HTTPError) -> Any:
+        """An error in the shape of the protocol the path names (OpenAI's elsewhere)."""
+        protocol = self.routes.get(normalise(scope["path"])) or Protocol()
+        return protocol.error_body(err.status, err.reason)
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET /v1/models``: the one model the rollout's upstream serves."""
+        slot = self._authenticate(scope)
+        name = slot.upstream.model or "lowwater-upstream"
+        model = {
+            "id": name,
+            "object": "model",
+            "type": "model",
+            "created": 0,
+            "owned_by": "lowwater",
+            "display_name": name,
+            "created_at": "1970-01-01T00:00:00Z",
+        }
+        await send_json(
+            send, 200, {"object": "list", "data": [model], "has_more": False, "first_id": name, "last_id": name}
+        )
+
+    async def _call(self, protocol: Protocol, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST`` to a protocol's path: one model call of a rollout."""
         # Authenticate before reading the body: a stranger's 60 MiB is refused unread.
         slot = self._authenticate(scope)
-        body = await _read_body(receive, self.max_body_bytes, _content_length(scope))
+        body = await read_body(scope, receive, self.max_body_bytes)
         call = self._parse(scope, protocol, slot, body)
         self._insert(call, body)
         del body  # the table holds the agent's bytes from here on
@@ -299,15 +297,8 @@ class InterceptionServer:
     def _authenticate(self, scope: Scope) -> Slot:
         """The slot whose secret the request carries; :class:`HTTPError` 401 otherwise."""
         found: Slot | None = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                secret = token.strip() if scheme.lower() == "bearer" else ""
-            elif name == b"x-api-key":
-                secret = value.decode("latin-1").strip()
-            else:
-                continue
-            slot = self.slots.by_secret(secret) if secret else None
+        for secret in request_keys(scope):
+            slot = self.slots.by_secret(secret)
             if slot is not None:
                 if found is not None and found is not slot:
                     raise HTTPError(401, "the request carries the keys of two different rollouts")
@@ -316,12 +307,9 @@ class InterceptionServer:
             raise HTTPError(401, "missing or unknown API key for this interception server")
         return found
 
-    def _parse(self, scope: Scope, protocol: Protocol, slot: Slot, body: bytes) -> _Call:
+    def _parse(self, scope: Scope, protocol: Protocol, slot: Slot, body: bytes | bytearray) -> _Call:
         """Decode and validate ``body``; :class:`HTTPError` 400 naming the problem."""
-        try:
-            payload = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise HTTPError(400, f"malformed JSON: {exc}") from None
+        payload = parse_json(body)
         request = protocol.parse(payload)
         rewritten = (
             protocol.upstream_body(payload, model=slot.upstream.model, logprobs=self.request_logprobs)
@@ -340,7 +328,7 @@ class InterceptionServer:
             headers,
         )
 
-    def _insert(self, call: _Call, body: bytes) -> None:
+    def _insert(self, call: _Call, body: bytes | bytearray) -> None:
         self.calls["total"] += 1
         try:
             self.table.insert(
@@ -351,7 +339,7 @@ class InterceptionServer:
             raise HTTPError(410, f"rollout {call.slot.rollout_id} is closed") from None
         except BufferFull:
             self.calls["failed"] += 1
-            raise HTTPError(503, "the intercept table is full; retry later", retry_after="1") from None
+            raise HTTPError(503, "the intercept table is full; retry later", headers={"retry-after": "1"}) from None
 
     # -- one call ---------------------------------------------------------------------
 
@@ -460,7 +448,7 @@ class InterceptionServer:
         # disconnect as soon as a response ends, which is not a client leaving.
         call.started = call.finished = True
         self._delivered(call)
-        await _send_bytes(send, answer.status, answer.content, answer.content_type)
+        await send_bytes(send, answer.status, answer.content, answer.content_type)
 
     async def _forward_stream(self, call: _Call, send: Send) -> None:
         protocol = call.protocol
@@ -539,7 +527,7 @@ class InterceptionServer:
         call.started = call.finished = True
         self._delivered(call)
         headers = [("retry-after", answer.retry_after)] if answer.retry_after else []
-        await _send_bytes(send, answer.status, answer.content, answer.content_type, headers)
+        await send_bytes(send, answer.status, answer.content, answer.content_type, headers)
 
     def _upstream_failed(self, call: _Call, exc: httpx.HTTPError) -> HTTPError:
         self._record(call, None, f"upstream: {type(exc).__name__}: {exc}")
@@ -626,89 +614,9 @@ async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, call: _Ca
         scope.cancel()
 
 
-async def _read_body(receive: Receive, limit_bytes: int, expected: int | None = None) -> bytes | bytearray:
-    """The whole request body.
-
-    With a ``content-length`` (``expected``) the chunks are copied into one
-    buffer of that size as they arrive, each freed at once: a 9 MB body
-    (45 turns of history with an image each) is then held once while it is
-    read, not as a list of 64 KiB chunks plus their join, which also
-    scattered the chunks over the heap (the churn bench's peak).
-
-    Raises:
-        HTTPError: 413 past ``limit_bytes`` (after draining the rest, so the
-            client reads the answer), 400 if the client left mid-body.
-    """
-    if expected is not None and expected > limit_bytes:
-        await _drain(receive)
-        raise HTTPError(413, f"body over the limit of {limit_bytes} bytes")
-    buffer = bytearray(expected) if expected else None
-    chunks: list[bytes] = []
-    size = 0
-    more = True
-    while more:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise HTTPError(400, "client disconnected before the body was complete")
-        chunk = message.get("body", b"")
-        more = message.get("more_body", False)
-        end = size + len(chunk)
-        if end > limit_bytes or (buffer is not None and end > len(buffer)):
-            chunks.clear()
-            buffer = None
-            if more:
-                await _drain(receive)
-            raise HTTPError(413, f"body over the limit of {limit_bytes} bytes")
-        if buffer is not None:
-            buffer[size:end] = chunk
-        else:
-            chunks.append(chunk)
-        size = end
-        del chunk, message
-    if buffer is not None:
-        if size != len(buffer):
-            raise HTTPError(400, f"body shorter than its content-length ({size} of {len(buffer)} bytes)")
-        return buffer
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-async def _drain(receive: Receive) -> None:
-    """Read and drop the rest of a refused body (up to :data:`_DRAIN_S`)."""
-    with trio.move_on_after(_DRAIN_S):
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect" or not message.get("more_body", False):
-                return
-
-
-def _content_length(scope: Scope) -> int | None:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None  # h11 refuses it before the app sees it; be safe anyway
-    return None
-
-
-async def _send_bytes(
-    send: Send, status: int, body: bytes, content_type: str, headers: Sequence[tuple[str, str]] = ()
-) -> None:
-    raw = [(b"content-type", content_type.encode("latin-1")), (b"content-length", str(len(body)).encode())]
-    raw += [(k.encode(), v.encode("latin-1")) for k, v in headers]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def _send_json(send: Send, status: int, payload: Any) -> None:
-    await _send_bytes(send, status, orjson.dumps(payload), "application/json")
-
-
-async def _send_error(send: Send, protocol: Protocol | None, err: HTTPError) -> None:
-    """``err`` as a JSON error body in the protocol's shape (OpenAI's when unknown)."""
-    body = (protocol or Protocol()).error_body(err.status, err.reason)
-    headers = [("retry-after", str(err.extra["retry_after"]))] if "retry_after" in err.extra else []
-    await _send_bytes(send, err.status, orjson.dumps(body), "application/json", headers)
+async def _send_error(send: Send, protocol: Protocol, err: HTTPError) -> None:
+    """``err`` as a JSON error body in the protocol's shape."""
+    await send_error(send, err, protocol.error_body(err.status, err.reason))
 
 
 async def _break_stream(send: Send, protocol: Protocol, reason: str) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import trio
 
-from lowwater.asgi import serve
+from lowwater.http import serve
 from lowwater.serve_model.app import Model, build_app
 from lowwater.serve_model.replay import ModelError, ReplayDataError, ReplayModel, Reply, ToolCall, UnknownQuestion
 from lowwater.serve_model.scripted import ScriptedModel

@@ -47,7 +47,8 @@ import attrs
 import orjson
 import trio
 
-from lowwater.asgi import HTTPError, Receive, Scope, Send, handle, parse_json, read_body, send_json
+from lowwater.http import App, HTTPError, Receive, Router, Scope, Send, parse_json, read_body, send_json
+from lowwater.http.routes import normalise
 from lowwater.serve_model import tokens
 from lowwater.serve_model.replay import TOOL_NAME, ModelError, Reply, ToolCall
 
@@ -753,7 +754,7 @@ async def stream_events(receive: Receive, send: Send, events: Iterator[bytes]) -
         nursery.cancel_scope.cancel()
 
 
-def build_app(model: Model, *, max_body_bytes: int = MAX_BODY_BYTES) -> Callable[[Scope, Receive, Send], Any]:
+def build_app(model: Model, *, max_body_bytes: int = MAX_BODY_BYTES) -> App:
     """The ASGI app serving ``model`` (see the module docstring for routes and formats).
 
     ``max_body_bytes`` bounds a request body (413 past it).  The payload
@@ -779,35 +780,29 @@ def build_app(model: Model, *, max_body_bytes: int = MAX_BODY_BYTES) -> Callable
         "last_id": model.name,
     }
 
-    async def route(scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope["path"].rstrip("/")
-        protocol = PROTOCOLS.get(path)
-        flavour = protocol[0] if protocol else "openai"
+    async def models(scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, models_body)
+
+    async def generate(scope: Scope, receive: Receive, send: Send) -> None:
+        _, parse, render, stream = PROTOCOLS[normalise(scope["path"])]
+        call = parse(parse_json(await read_body(scope, receive, max_body_bytes)))
         try:
-            if path == "/v1/models":
-                if scope["method"] != "GET":
-                    raise HTTPError(405, "use GET")
-                return await send_json(send, 200, models_body)
-            if protocol is None:
-                raise HTTPError(404, f"no route {path}")
-            if scope["method"] != "POST":
-                raise HTTPError(405, "use POST")
-            _, parse, render, stream = protocol
-            call = parse(parse_json(await read_body(receive, max_body_bytes)))
-            try:
-                reply = model.reply(call.question, call.tool_results, tools=call.tools)
-            except ModelError as exc:
-                raise HTTPError(400, exc.reason) from None
-            r = _Render(call, complete(reply, call), next(numbers), int(time.time()), payload)
-            if model.latency_s > 0:
-                await trio.sleep(model.latency_s)
-        except HTTPError as err:
-            return await send_json(send, err.status, error_body(flavour, err.status, err.reason))
+            reply = model.reply(call.question, call.tool_results, tools=call.tools)
+        except ModelError as exc:
+            raise HTTPError(400, exc.reason) from None
+        r = _Render(call, complete(reply, call), next(numbers), int(time.time()), payload)
+        if model.latency_s > 0:
+            await trio.sleep(model.latency_s)
         if not call.stream:
             return await send_json(send, 200, render(r))
         await stream_events(receive, send, stream(r))
 
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await handle(scope, receive, send, route)
+    def error(scope: Scope, err: HTTPError) -> Json:
+        protocol = PROTOCOLS.get(normalise(scope["path"]))
+        return error_body(protocol[0] if protocol else "openai", err.status, err.reason)
 
-    return app
+    router = Router(error_body=error)
+    router.add("GET", "/v1/models", models)
+    for path in PROTOCOLS:
+        router.add("POST", path, generate)
+    return router

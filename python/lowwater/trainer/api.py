@@ -35,9 +35,9 @@ import trio
 from lowwater import _validate as v
 from lowwater import plugins as plugins_mod
 from lowwater._native import LowwaterError
-from lowwater.asgi import serve
 from lowwater.assembly import EngineConfig
 from lowwater.environment import HARNESSES, Environment, Task
+from lowwater.http import serve
 from lowwater.rollout import Deadlines, Engine, Group
 from lowwater.trainer.producer import group_shards
 from lowwater.trainer.shards import DrainReport, ShardRef, ShardStore, clear_batch

@@ -32,7 +32,6 @@ import random
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
-from urllib.parse import unquote
 
 import attrs
 import httpx
@@ -41,18 +40,7 @@ import trio
 
 from lowwater import BufferFull, FetchBuffer, LowwaterError, ShardView
 from lowwater._native import DTYPES
-from lowwater.asgi import (
-    HTTPError,
-    Receive,
-    Scope,
-    Send,
-    handle,
-    id_list,
-    parse_json,
-    read_body,
-    send_bytes,
-    send_json,
-)
+from lowwater.http import HTTPError, Receive, Router, Scope, Send, id_list, parse_json, read_body, send_bytes, send_json
 from lowwater.memory import Trimmer
 
 log = logging.getLogger("lowwater.trainer.shards")
@@ -211,6 +199,14 @@ class ShardStore:
     def __init__(self, capacity_bytes: int | None = None, address: str = "") -> None:
         self.buffer = FetchBuffer(capacity_bytes)
         self.address = address
+        # First match wins: the fixed paths before /shards/{id} (a shard may
+        # still be called "stats" or "batch": its PUT and GET go through).
+        self._router = Router()
+        self._router.add("GET", "/shards/stats", self._stats)
+        self._router.add("POST", "/shards/batch", self._batch)
+        self._router.add("DELETE", "/shards", self._remove)
+        self._router.add("GET", "/shards/{shard_id:path}", self._send_one)
+        self._router.add("PUT", "/shards/{shard_id:path}", self._receive_one)
 
     def put(self, shard_id: str, data: Any, *, dtype: str, shape: Sequence[int]) -> ShardRef:
         """Copy ``data`` in and return its reference.  Raises as :meth:`FetchBuffer.put`."""
@@ -226,42 +222,36 @@ class ShardStore:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI app serving the shard endpoints."""
-        await handle(scope, receive, send, self._route)
+        await self._router(scope, receive, send)
 
-    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
-        method, path = scope["method"], scope["path"]
-        if path == "/shards/stats" and method == "GET":
-            return await send_json(send, 200, self.stats())
-        if path == "/shards/batch" and method == "POST":
-            ids = id_list(parse_json(await read_body(receive, 16 << 20)))
-            return await self._send_batch(send, ids)
-        if path == "/shards" and method == "DELETE":
-            ids = id_list(parse_json(await read_body(receive, 16 << 20)))
-            removed = await trio.to_thread.run_sync(self.remove, ids)
-            return await send_json(send, 200, {"removed": removed, "stats": self.stats()})
-        if path.startswith("/shards/") and method in ("GET", "PUT"):
-            shard_id = unquote(path[len("/shards/") :])
-            if not shard_id:
-                raise HTTPError(404, "no shard id in the path")
-            if method == "GET":
-                return await self._send_one(send, shard_id)
-            return await self._receive_one(scope, receive, send, shard_id)
-        raise HTTPError(404, f"no endpoint {method} {path}")
+    async def _stats(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, self.stats())
 
-    async def _send_one(self, send: Send, shard_id: str) -> None:
+    async def _batch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ids = id_list(parse_json(await read_body(scope, receive, 16 << 20)))
+        await self._send_batch(send, ids)
+
+    async def _remove(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ids = id_list(parse_json(await read_body(scope, receive, 16 << 20)))
+        removed = await trio.to_thread.run_sync(self.remove, ids)
+        await send_json(send, 200, {"removed": removed, "stats": self.stats()})
+
+    async def _send_one(self, scope: Scope, receive: Receive, send: Send) -> None:
+        shard_id = scope["path_params"]["shard_id"]
         view = self.buffer.get(shard_id)
         if view is None:
             raise HTTPError(404, f"shard {shard_id!r} is not held here", missing=[shard_id])
         headers = [(DTYPE_HEADER, view.dtype), (SHAPE_HEADER, _shape_header(view.shape))]
         await send_bytes(send, 200, memoryview(view), "application/octet-stream", headers)
 
-    async def _receive_one(self, scope: Scope, receive: Receive, send: Send, shard_id: str) -> None:
+    async def _receive_one(self, scope: Scope, receive: Receive, send: Send) -> None:
+        shard_id = scope["path_params"]["shard_id"]
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
         dtype = headers.get(DTYPE_HEADER)
         if not dtype:
             raise HTTPError(400, f"missing header {DTYPE_HEADER}")
         shape = _parse_shape(headers.get(SHAPE_HEADER, ""))
-        body = await read_body(receive, MAX_BODY_BYTES)
+        body = await read_body(scope, receive, MAX_BODY_BYTES)
         try:
             # The copy into the table releases the GIL for large payloads.
             ref = await trio.to_thread.run_sync(lambda: self.put(shard_id, body, dtype=dtype, shape=shape))
@@ -350,6 +340,9 @@ class ShardConsumer:
         self.limiter = trio.CapacityLimiter(max_concurrency)
         self.retry = retry or RetryPolicy()
         self.trim = Trimmer() if trim is _DEFAULT_TRIM else trim
+        self._router = Router()
+        self._router.add("POST", "/buffer/drain", self._drain_request)
+        self._router.add("GET", "/buffer/stats", self._buffer_stats)
 
     async def fetch(self, refs: Sequence[ShardRef]) -> list[ShardView]:
         """Views of ``refs``, in order: local hits first, misses fetched from their owners.
@@ -427,17 +420,15 @@ class ShardConsumer:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI app of the consumer's drain endpoints."""
-        await handle(scope, receive, send, self._route)
+        await self._router(scope, receive, send)
 
-    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
-        method, path = scope["method"], scope["path"]
-        if path == "/buffer/drain" and method == "POST":
-            ids = id_list(parse_json(await read_body(receive, 64 << 20)))
-            result = await trio.to_thread.run_sync(self.drain, ids)
-            return await send_json(send, 200, result)
-        if path == "/buffer/stats" and method == "GET":
-            return await send_json(send, 200, self.buffer.stats())
-        raise HTTPError(404, f"no endpoint {method} {path}")
+    async def _drain_request(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ids = id_list(parse_json(await read_body(scope, receive, 64 << 20)))
+        result = await trio.to_thread.run_sync(self.drain, ids)
+        await send_json(send, 200, result)
+
+    async def _buffer_stats(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, self.buffer.stats())
 
 
 def _one_error(group: BaseExceptionGroup) -> BaseException:
