@@ -15,7 +15,15 @@ import trio.testing
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from lowwater.trainer.sessions import Interaction, SessionConfig, SessionError, SessionStore, load_dump
+from lowwater.trainer.sessions import (
+    Interaction,
+    SessionConfig,
+    SessionConflict,
+    SessionError,
+    SessionStore,
+    UnknownSession,
+    load_dump,
+)
 
 TIMEOUT = 100.0
 
@@ -75,7 +83,7 @@ class SessionMachine(RuleBasedStateMachine):
         m = self.model[sid]
         tokens = list(range(ntok))
         if m["reward"] is not None:
-            with pytest.raises(SessionError):
+            with pytest.raises(SessionConflict):
                 self.store.add_interaction(sid, Interaction({"role": "user", "content": text}, {"content": text}))
             return
         assert self.store.session_for_key(m["key"]) == sid
@@ -95,7 +103,7 @@ class SessionMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(sorted(self.model)))
         m = self.model[sid]
         if m["reward"] is not None and m["reward"] != reward:
-            with pytest.raises(SessionError):
+            with pytest.raises(SessionConflict):
                 self.store.set_reward(sid, reward)
             return
         self.store.set_reward(sid, reward)
@@ -134,7 +142,7 @@ class SessionMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def export_not_ready_is_refused(self, data):
         sid = data.draw(st.sampled_from(sorted(s for s, m in self.model.items() if m["reward"] is None)))
-        with pytest.raises(SessionError):
+        with pytest.raises(SessionConflict):
             self.store.export([sid])
         assert sid in self.store
 
@@ -246,9 +254,18 @@ def test_bad_arguments():
         store.export([sid], discount=0)
     with pytest.raises(ValueError):
         store.export([sid], style="zip")
-    with pytest.raises(SessionError):
-        store.export(["nope"])
-    with pytest.raises(SessionError):
+    # Each refusal has its own class (the proxy answers 404 or 409 by class), all SessionErrors.
+    for call in (
+        lambda: store.export(["nope"]),
+        lambda: store.set_reward("nope", 1.0),
+        lambda: store.add_interaction("nope", Interaction({}, {})),
+    ):
+        with pytest.raises(UnknownSession):
+            call()
+    with pytest.raises(SessionConflict):
         store.start_session(session_id=sid)
+    with pytest.raises(SessionConflict):
+        store.set_reward(sid, 0.5)
+    assert issubclass(UnknownSession, SessionError) and issubclass(SessionConflict, SessionError)
     assert store.export([sid]) == []
     assert len(store) == 0

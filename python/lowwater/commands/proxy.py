@@ -530,18 +530,21 @@ class _SessionTrajectory(Trajectory):
 
 
 def _session_errors() -> Any:
-    """Map :class:`~lowwater.trainer.sessions.SessionError` to 404 (unknown) or 409, ValueError to 400."""
+    """Map :class:`~lowwater.trainer.sessions.UnknownSession` to 404,
+    :class:`~lowwater.trainer.sessions.SessionConflict` to 409, ValueError to 400."""
     import contextlib
 
     from lowwater.http import HTTPError
-    from lowwater.trainer.sessions import SessionError
+    from lowwater.trainer.sessions import SessionConflict, UnknownSession
 
     @contextlib.contextmanager
     def mapping() -> Any:
         try:
             yield
-        except SessionError as exc:
-            raise HTTPError(404 if "unknown" in str(exc) else 409, str(exc)) from None
+        except UnknownSession as exc:
+            raise HTTPError(404, str(exc)) from None
+        except SessionConflict as exc:
+            raise HTTPError(409, str(exc)) from None
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from None
 

@@ -40,7 +40,16 @@ ExportStyle = Literal["individual", "concat"]
 
 
 class SessionError(LowwaterError):
-    """A session operation was refused (unknown session, not ready, conflicting reward)."""
+    """A session operation was refused: :class:`UnknownSession` or :class:`SessionConflict`."""
+
+
+class UnknownSession(SessionError):
+    """No session has that id (never started, already exported, or removed as stale)."""
+
+
+class SessionConflict(SessionError):
+    """The session's state refuses the operation: its id or key is taken, it already has
+    a (different) reward, or it is not ready for export."""
 
 
 def _positive(name: str) -> Callable[[Any, Any, float], None]:
@@ -174,16 +183,16 @@ class SessionStore:
         everywhere).
 
         Raises:
-            SessionError: the id or the key is already in use.
+            SessionConflict: the id or the key is already in use.
         """
         sid = session_id or uuid.uuid4().hex
         key = api_key or "lw-" + secrets.token_urlsafe(24)
         session = Session(sid, key, group_id or sid, self._clock())
         with self._lock:
             if sid in self._sessions:
-                raise SessionError(f"session {sid!r} already exists")
+                raise SessionConflict(f"session {sid!r} already exists")
             if key in self._by_key:
-                raise SessionError("that API key belongs to another session")
+                raise SessionConflict("that API key belongs to another session")
             self._sessions[sid] = session
             self._by_key[key] = session
         return sid, key
@@ -195,11 +204,16 @@ class SessionStore:
             return s.session_id if s else None
 
     def add_interaction(self, session_id: str, interaction: Interaction) -> None:
-        """Append a model call and mark the session active.  Raises SessionError if unknown or ready."""
+        """Append a model call and mark the session active.
+
+        Raises:
+            UnknownSession: no such session.
+            SessionConflict: the session already has its reward.
+        """
         session = self._get(session_id)
         with session.lock:
             if session.ready:
-                raise SessionError(f"session {session_id!r} already has its reward; no more interactions")
+                raise SessionConflict(f"session {session_id!r} already has its reward; no more interactions")
             interaction.created_s = self._clock()
             session.interactions.append(interaction)
             session.last_active_s = interaction.created_s
@@ -216,7 +230,8 @@ class SessionStore:
         Idempotent: setting the same reward again does nothing.
 
         Raises:
-            SessionError: unknown session, or a different reward was already set.
+            UnknownSession: no such session.
+            SessionConflict: a different reward was already set.
             ValueError: ``reward`` is not a finite number.
         """
         if not (isinstance(reward, (int, float)) and math.isfinite(reward)):
@@ -224,7 +239,7 @@ class SessionStore:
         session = self._get(session_id)
         with session.lock:
             if session.reward is not None and session.reward != reward:
-                raise SessionError(f"session {session_id!r} already has reward {session.reward}, not {reward}")
+                raise SessionConflict(f"session {session_id!r} already has reward {session.reward}, not {reward}")
             session.reward = float(reward)
             session.last_active_s = self._clock()
 
@@ -248,7 +263,8 @@ class SessionStore:
         token ids and logprobs concatenated, and the reward.
 
         Raises:
-            SessionError: an id is unknown or not ready (nothing is removed then).
+            UnknownSession: an id is unknown (nothing is removed then).
+            SessionConflict: a session is not ready (nothing is removed then).
             ValueError: ``discount`` not in (0, 1] or an unknown ``style``.
         """
         if not (0 < discount <= 1):
@@ -259,8 +275,10 @@ class SessionStore:
             sessions = []
             for sid in session_ids:
                 s = self._sessions.get(sid)
-                if s is None or not s.ready:
-                    raise SessionError(f"session {sid!r} is {'unknown' if s is None else 'not ready'}")
+                if s is None:
+                    raise UnknownSession(f"session {sid!r} is unknown")
+                if not s.ready:
+                    raise SessionConflict(f"session {sid!r} is not ready")
                 sessions.append(s)
             for s in sessions:
                 self._remove_locked(s)
@@ -351,7 +369,7 @@ class SessionStore:
         with self._lock:
             s = self._sessions.get(session_id)
         if s is None:
-            raise SessionError(f"unknown session {session_id!r}")
+            raise UnknownSession(f"unknown session {session_id!r}")
         return s
 
     def _remove_locked(self, s: Session) -> None:
