@@ -3,6 +3,7 @@ with replay, resume after a kill, bad input, and emptiness of every table."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -273,3 +274,38 @@ def test_signal_cancels_the_run_and_resume_completes_it(tmp_path, signum, worker
     assert done.returncode == 0, done.stderr
     assert sorted(r["task_id"] for r in rows_of(out)) == list(range(n))
     assert all(r.get("error") is None for r in rows_of(out))
+
+
+def test_sigkill_of_the_eval_takes_its_serve_model_child_with_it(tmp_path):
+    # finally blocks do not run on SIGKILL: the child must die by the kernel's
+    # parent-death signal (it kept running after 12 of 12 kills before).
+    import psutil
+
+    out = tmp_path / "r.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lowwater", "eval", "-n", "400", "-c", "2", "--out", str(out), "--no-progress"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for_lines(out, 3)
+        children = [c for c in psutil.Process(proc.pid).children(recursive=True) if "serve-model" in c.cmdline()]
+        assert len(children) == 1
+        proc.kill()  # the eval alone, not its process group
+        proc.wait()
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert alive == [], f"serve-model outlived its eval: {alive}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_n_beyond_the_taskset_says_so(tmp_path):
+    out = lowwater("eval", "-n", "9", "--env-option", "size=4", "--out", "r.jsonl", "--no-progress", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "-n 9 asked for more tasks than the arithmetic taskset has; ran all 4" in out.stderr
+    assert (tmp_path / "r.jsonl").read_bytes().count(b"\n") == 1 + 4
+    out = lowwater("eval", "-n", "3", "--env-option", "size=4", "--out", "s.jsonl", "--no-progress", cwd=tmp_path)
+    assert out.returncode == 0 and "asked for more tasks" not in out.stderr

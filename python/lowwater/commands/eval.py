@@ -169,6 +169,13 @@ def run(args: argparse.Namespace) -> int:
         )
         return 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
     _print_summary(Console(), report, config)
+    if report.tasks_available is not None:
+        print(
+            f"lowwater eval: -n {config.rollouts} asked for more tasks than the {config.env} taskset has; "
+            f"ran all {report.tasks_available} (an environment option may size the taskset, "
+            f"e.g. --env-option size=N for arithmetic; see `lowwater plugins`)",
+            file=sys.stderr,
+        )
     if args.summary_json is not None:
         args.summary_json.parent.mkdir(parents=True, exist_ok=True)
         args.summary_json.write_bytes(orjson.dumps(report.summary, option=orjson.OPT_INDENT_2) + b"\n")

@@ -169,7 +169,11 @@ class Totals:
 class EvalReport:
     """What :func:`run_eval` returns: the summary, errors by class, the
     memory record, the results path and the engine's final stats (all zero
-    when nothing leaked)."""
+    when nothing leaked).
+
+    ``tasks_available`` is set when ``-n`` asked for more tasks than the
+    taskset has: the number it has (all of which ran).
+    """
 
     summary: dict[str, Any]
     errors_by_class: dict[str, int]
@@ -177,14 +181,33 @@ class EvalReport:
     out: Path
     leftovers: dict[str, int]
     pool: dict[str, Any] | None = None
+    tasks_available: int | None = None
 
 
-def _tasks(env: Environment, config: EvalConfig, done: set[Any]) -> Iterator[Task]:
-    for count, task in enumerate(env.tasks()):
-        if config.rollouts is not None and count >= config.rollouts:
-            return
-        if task.id not in done:
-            yield task
+class TaskFeed:
+    """The run's tasks, pulled lazily from the taskset: the first
+    ``config.rollouts`` of them (all when ``None``), minus those already
+    done (``--resume``).
+
+    Attributes:
+        seen: taskset tasks examined so far (done ones included).
+        exhausted: the taskset ended before ``config.rollouts`` tasks.
+    """
+
+    def __init__(self, env: Environment, config: EvalConfig, done: set[Any]) -> None:
+        self.env, self.config, self.done = env, config, done
+        self.seen = 0
+        self.exhausted = False
+
+    def __iter__(self) -> Iterator[Task]:
+        limit = self.config.rollouts
+        for task in self.env.tasks():
+            if limit is not None and self.seen >= limit:
+                return
+            self.seen += 1
+            if task.id not in self.done:
+                yield task
+        self.exhausted = limit is not None and self.seen < limit
 
 
 async def run_eval(
@@ -230,6 +253,7 @@ async def run_eval(
     record = MemoryRecord()
     started = time.perf_counter()
     writer = ResultsWriter(config.out)
+    feed = TaskFeed(env, config, state.done)
 
     async def write(row: dict[str, Any], attempt: int = 1) -> None:
         row["run_id"] = run_id
@@ -243,13 +267,11 @@ async def run_eval(
     try:
         async with model_server(config.model) as upstream_url:
             if config.workers:
-                pool_report = await _run_pooled(
-                    config, env, upstream_url, state.done, record, totals, write, on_progress
-                )
+                pool_report = await _run_pooled(config, env, upstream_url, feed, record, totals, write, on_progress)
                 leftovers = {}
             else:
                 leftovers = await _run_here(
-                    config, env, plugins, upstream_url, state.done, record, totals, write, on_progress
+                    config, env, plugins, upstream_url, feed, record, totals, write, on_progress
                 )
     finally:
         writer.close()
@@ -260,7 +282,8 @@ async def run_eval(
     await trio.to_thread.run_sync(Trimmer(0.0))
     resting = record.add(finished=totals.this_run)
     summary = totals.summary(wall_s, record.summary(resting))
-    return EvalReport(summary, dict(totals.errors), record, config.out, leftovers, pool_report)
+    available = feed.seen if feed.exhausted else None
+    return EvalReport(summary, dict(totals.errors), record, config.out, leftovers, pool_report, available)
 
 
 async def _run_here(
@@ -268,7 +291,7 @@ async def _run_here(
     env: Environment,
     plugins: plugins_mod.Plugins,
     upstream_url: str,
-    done: set[Any],
+    tasks: TaskFeed,
     record: MemoryRecord,
     totals: Totals,
     write: Any,
@@ -300,7 +323,7 @@ async def _run_here(
 
         async with trio.open_nursery() as ticker:
             ticker.start_soon(tick)
-            await _run_tasks(engine, env, config, done, on_result)
+            await _run_tasks(engine, tasks, config, on_result)
             await plugins.fire("shutdown")
             ticker.cancel_scope.cancel()
         return {**engine.stats(), "intercepts": len(server.table)}
@@ -310,7 +333,7 @@ async def _run_pooled(
     config: EvalConfig,
     env: Environment,
     upstream_url: str,
-    done: set[Any],
+    tasks: TaskFeed,
     record: MemoryRecord,
     totals: Totals,
     write: Any,
@@ -371,17 +394,17 @@ async def _run_pooled(
 
     async with trio.open_nursery() as ticker:
         ticker.start_soon(tick)
-        report = await pool.run((task.id for task in _tasks(env, config, done)), on_rows)
+        report = await pool.run((task.id for task in tasks), on_rows)
         ticker.cancel_scope.cancel()
     return report.to_json()
 
 
-async def _run_tasks(engine: Engine, env: Environment, config: EvalConfig, done: set[Any], on_result: Any) -> None:
+async def _run_tasks(engine: Engine, tasks: TaskFeed, config: EvalConfig, on_result: Any) -> None:
     """Pull tasks lazily and keep ``concurrency`` rollouts in flight."""
     # A group of g rollouts takes g slots of the concurrency budget.
     limiter = trio.CapacityLimiter(max(config.concurrency, config.group_size))
     async with trio.open_nursery() as nursery:
-        for task in _tasks(env, config, done):
+        for task in tasks:
             tokens = [object() for _ in range(config.group_size)]
             for token in tokens:
                 await limiter.acquire_on_behalf_of(token)
