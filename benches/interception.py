@@ -355,8 +355,8 @@ async def hold_open(proxy_url: str, gate_url: str, proxy_pid: int, n: int) -> di
 
 def gate_child() -> None:
     """An upstream that answers chat completions at once, or holds them while the gate is closed."""
-    from lowwater.commands.proxy import raise_open_file_limit
     from lowwater.http import handle, read_body, send_json, serve
+    from lowwater.interception.proxy import raise_open_file_limit
 
     raise_open_file_limit()
     answer = {

@@ -15,8 +15,9 @@ import trio
 
 from lowwater import cli
 from lowwater.commands import proxy
-from lowwater.commands.proxy import ProxyConfig, config_from_args, serve_proxy
+from lowwater.commands.proxy import config_from_args
 from lowwater.http import serve
+from lowwater.interception.proxy import ProxyConfig, serve_proxy
 
 from ._harness import GUARD_S, body
 from .test_failures import until
@@ -130,6 +131,27 @@ def test_admin_opens_records_and_closes_rollouts(tmp_path):
     trio.run(_with_proxy, tmp_path, fn)
     # The rollout left open was written at shutdown.
     assert [line["rollout_id"] for line in lines(tmp_path)][0] == "a" and len(lines(tmp_path)) == 2
+
+
+def test_admin_key_is_checked_before_the_route_table_answers(tmp_path):
+    admin = {"x-api-key": "adm"}
+
+    async def fn(url, http, upstream):
+        # Without the key a stranger learns nothing, not even which paths exist.
+        assert (await http.get(f"{url}/lowwater/nothing")).status_code == 401
+        r = await http.get(f"{url}/lowwater/nothing", headers=admin)
+        assert r.status_code == 404 and r.json() == {"error": "no endpoint GET /lowwater/nothing"}
+        r = await http.get(f"{url}/lowwater/export", headers=admin)
+        assert r.status_code == 405 and r.headers["allow"] == "POST"
+        r = await http.delete(f"{url}/lowwater/rollouts", headers=admin)
+        assert r.status_code == 405 and r.headers["allow"] == "GET, POST"
+        # A rollout id is the path segment as the server decoded it, once.
+        r = await http.post(f"{url}/lowwater/rollouts", json={"rollout_id": "a%20b"}, headers=admin)
+        assert r.status_code == 200
+        r = await http.delete(f"{url}/lowwater/rollouts/a%2520b", headers=admin)
+        assert r.json() == {"rollout_id": "a%20b", "turns": 0, "swept": 0}
+
+    trio.run(_with_proxy, tmp_path, fn)
 
 
 def test_delete_resolves_a_waiting_call(tmp_path):

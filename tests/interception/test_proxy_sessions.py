@@ -14,8 +14,9 @@ import trio
 
 from lowwater import cli
 from lowwater.commands import proxy
-from lowwater.commands.proxy import ProxyConfig, config_from_args, serve_proxy
+from lowwater.commands.proxy import config_from_args
 from lowwater.http import serve
+from lowwater.interception.proxy import ProxyConfig, serve_proxy
 from lowwater.trainer.sessions import SessionConfig, load_dump
 
 from ._harness import GUARD_S, body

@@ -6,6 +6,12 @@
   ``anthropic.messages``) and the :class:`Protocol` base for plugins.
 * :mod:`.slots` — per-rollout slots (base URL, secret, waiting handlers).
 * :mod:`.sse` — server-sent event parsing and encoding.
+* :mod:`.proxy` — the standalone recording proxy (``lowwater proxy``):
+  :class:`~.proxy.ProxyConfig`, :func:`~.proxy.serve_proxy`; :mod:`.admin`
+  — its ``/lowwater/`` endpoints (:class:`~.admin.Admin`).  Import them
+  from there: they pull in the trainer's session store, which every user
+  of the server alone would otherwise pay for (and which imports this
+  package back).
 
 See ``docs/interception.md``.
 """

@@ -158,7 +158,7 @@ class SessionStore:
         *,
         clock: Callable[[], float] = time.monotonic,
         free_shards: Callable[[list[str]], int] | None = None,
-        revoke: Callable[[str], None] | None = None,
+        revoke: Callable[[str], object] | None = None,
     ) -> None:
         self.config = config or SessionConfig()
         self._revoke = revoke

@@ -1,0 +1,147 @@
+"""The standalone recording proxy behind ``lowwater proxy``: the interception
+server with the admin endpoints of :mod:`lowwater.interception.admin` mounted
+at ``/lowwater/``.
+
+Agents call it as they would call the model (OpenAI chat completions and
+responses, Anthropic messages; streamed or not); each rollout's calls are
+recorded as the turns of its trajectory and written out when the rollout is
+closed.  Admin endpoints (JSON; every one requires the admin key, as
+``Authorization: Bearer KEY`` or ``x-api-key: KEY``, when one is set; 401
+otherwise):
+
+* ``POST /lowwater/rollouts`` — open a rollout.  Optional body
+  ``{"rollout_id", "task_id", "group_id"}``.  Answers ``{"rollout_id",
+  "base_url", "anthropic_base_url", "api_key"}``: point ``OPENAI_BASE_URL``
+  at ``base_url`` (it ends in ``/v1``) and ``OPENAI_API_KEY`` at ``api_key``.
+  409 if the id is open already.
+* ``DELETE /lowwater/rollouts/{id}`` — close it: sweep its undelivered
+  calls (their agents get 410 at once), append its trajectory as one JSON
+  line to ``OUT/trajectories.jsonl`` (off the event loop), then evict it.
+  Answers ``{"rollout_id", "turns", "swept"}``; 404 if unknown.
+* ``GET /lowwater/rollouts`` — the open rollout ids.
+* ``POST /lowwater/sessions/{id}/reward`` — body ``{"reward": R}``: the
+  rollout's session becomes ready (idempotent; 409 for a different reward,
+  404 if unknown).  With sessions on every rollout is also a session of
+  the trainer-facing session store (:mod:`lowwater.trainer.sessions`), keyed
+  by its API key, holding its calls as interactions until exported or found
+  stale (without it the session endpoints answer 404 and nothing outlives a
+  rollout's ``DELETE``).
+* ``POST /lowwater/export`` — body ``{"session_ids": [...], "discount": 1.0,
+  "style": "individual" | "concat"}``: the sessions' interactions with
+  discounted rewards; exported sessions are removed (409 if one is not
+  ready, 404 if unknown; nothing is removed then).
+* ``GET /lowwater/sessions`` — the store's counts and the ready session ids.
+* ``GET /lowwater/stats`` — ``intercepts`` (the intercept table's stats),
+  ``open_rollouts``, ``waiting_handlers``, ``calls``, ``upstream`` (the
+  model client's counters) and ``rss_bytes`` (current RSS of the proxy).
+
+A wrong method is a 405, an unknown path a 404, a bad body a 400 with a
+reason.  On shutdown (cancellation) the rollouts still open are closed and
+written like a ``DELETE`` would.
+
+Stale cleanup: every ``cleanup_interval_s`` a pass removes sessions idle
+for ``session_timeout_s`` (their keys revoked and their rollouts
+unregistered first, under the store lock), dumps each to ``dump_dir`` when
+one is set (one ``SESSION_ID.json``, mode 0600), and closes the rollouts
+still open (their lines written as a ``DELETE`` would).  A peer's data proxy
+defined such a loop and never scheduled it; its sessions lived for the life
+of the process (docs/design.md#incidents).
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+from pathlib import Path
+
+import attrs
+import trio
+
+from lowwater.interception.admin import Admin
+from lowwater.interception.server import DEFAULT_MAX_BODY_BYTES, InterceptionServer
+from lowwater.trainer.sessions import SessionConfig
+from lowwater.upstream.client import ModelClient
+
+log = logging.getLogger("lowwater.proxy")
+
+TRAJECTORIES_FILE = "trajectories.jsonl"
+# Closing the rollouts left open at shutdown may not take longer than this (seconds).
+SHUTDOWN_WRITE_S = 30.0
+
+
+@attrs.frozen
+class ProxyConfig:
+    """The proxy's settings (``lowwater proxy`` builds them from its flags).
+
+    Attributes:
+        upstream: the model server's base URL, with ``/v1``.
+        host, port: the address to serve on (port 0: the OS chooses).
+        out_dir: directory of :data:`TRAJECTORIES_FILE`.
+        admin_key: the key the admin endpoints require (``None``: none).
+        upstream_key: the upstream's API key.
+        model: replaces the model name of every forwarded request.
+        max_concurrency, timeout_s, retries: the upstream client's
+            in-flight bound, read timeout (seconds) and retries.
+        max_body_bytes: request body limit (bytes; 413 past it).
+        request_logprobs: ask the upstream for token ids and logprobs.
+        sessions: keep sessions with these settings (``None``: trajectories only).
+    """
+
+    upstream: str
+    host: str = "127.0.0.1"
+    port: int = 8700
+    out_dir: Path = Path("lowwater-proxy")
+    admin_key: str | None = None
+    upstream_key: str | None = None
+    model: str | None = None
+    max_concurrency: int = 1024
+    timeout_s: float = 600.0
+    retries: int = 3
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    request_logprobs: bool = False
+    sessions: SessionConfig | None = None
+
+
+async def serve_proxy(config: ProxyConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+    """Run the proxy until cancelled; ``task_status.started`` gets its root URL (``http://HOST:PORT``).
+
+    On the way out (cancellation included) the rollouts still open are
+    closed and written, shielded, for at most :data:`SHUTDOWN_WRITE_S`.
+
+    Raises:
+        OSError: the address cannot be bound (inside Trio's exception groups).
+    """
+    async with ModelClient(
+        config.upstream,
+        api_key=config.upstream_key,
+        model=config.model,
+        max_concurrency=config.max_concurrency,
+        timeout_s=config.timeout_s,
+        retries=config.retries,
+    ) as client:
+        server = InterceptionServer(
+            client, max_body_bytes=config.max_body_bytes, request_logprobs=config.request_logprobs
+        )
+        admin = Admin(server, config.out_dir / TRAJECTORIES_FILE, config.admin_key, config.sessions)
+        server.mount("/lowwater/", admin)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(admin.trim_loop)
+                await nursery.start(admin.cleanup_loop)
+                url = await nursery.start(server.run, config.host, config.port)
+                task_status.started(url)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(SHUTDOWN_WRITE_S):
+                written = await admin.close_all()
+                if written:
+                    log.warning("shutdown: wrote %d rollouts that were still open", written)
+
+
+def raise_open_file_limit() -> int:
+    """Raise the soft open-file limit to the hard one (each open call holds
+    two sockets); returns the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return hard
+    return soft
