@@ -6,7 +6,8 @@ server, ``lowwater proxy``'s admin endpoints, the shard store and consumers,
 * :mod:`.body` — :func:`read_body`, the bounded body reader (preallocated
   from ``content-length``; 413 past the limit after draining; 400 if cut
   short), :func:`parse_json`, :func:`id_list`.
-* :mod:`.responses` — :func:`send_bytes`, :func:`send_json`, :func:`send_error`.
+* :mod:`.responses` — :func:`start_response` (streams), :func:`send_bytes`,
+  :func:`send_json`, :func:`send_error`.
 * :mod:`.auth` — :func:`request_keys` and :func:`require_key` (constant-time admin-key check).
 * :mod:`.routes` — :class:`Router` (method + path pattern -> handler; 404/405
   answered in one place), :func:`handle`, :func:`lifespan`.
@@ -17,7 +18,7 @@ server, ``lowwater proxy``'s admin endpoints, the shard store and consumers,
 from lowwater.http.asgi import App, HTTPError, Receive, Scope, Send
 from lowwater.http.auth import request_keys, require_key
 from lowwater.http.body import content_length, id_list, parse_json, read_body
-from lowwater.http.responses import error_payload, send_bytes, send_error, send_json
+from lowwater.http.responses import error_payload, send_bytes, send_error, send_json, start_response
 from lowwater.http.routes import Router, handle, lifespan
 from lowwater.http.server import hypercorn_config, serve
 
@@ -42,4 +43,5 @@ __all__ = [
     "send_error",
     "send_json",
     "serve",
+    "start_response",
 ]

@@ -56,6 +56,7 @@ from lowwater.http import (
     send_error,
     send_json,
     serve,
+    start_response,
 )
 from lowwater.http.routes import normalise
 from lowwater.interception.protocols import Completion, Protocol, builtin_protocols
@@ -461,16 +462,7 @@ class InterceptionServer:
             async with call.slot.upstream.stream(protocol.path, self._body(call), call.headers) as response:
                 if response.status_code >= 300:
                     return await self._relay_error(call, await read_answer(response), send)
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 200,
-                        "headers": [
-                            (b"content-type", b"text/event-stream; charset=utf-8"),
-                            (b"cache-control", b"no-cache"),
-                        ],
-                    }
-                )
+                await start_response(send, 200, "text/event-stream; charset=utf-8", [("cache-control", "no-cache")])
                 call.started = True
                 try:
                     async for chunk in response.aiter_bytes():

@@ -47,7 +47,18 @@ import attrs
 import orjson
 import trio
 
-from lowwater.http import App, HTTPError, Receive, Router, Scope, Send, parse_json, read_body, send_json
+from lowwater.http import (
+    App,
+    HTTPError,
+    Receive,
+    Router,
+    Scope,
+    Send,
+    parse_json,
+    read_body,
+    send_json,
+    start_response,
+)
 from lowwater.http.routes import normalise
 from lowwater.serve_model import tokens
 from lowwater.serve_model.replay import TOOL_NAME, ModelError, Reply, ToolCall
@@ -729,13 +740,7 @@ async def stream_events(receive: Receive, send: Send, events: Iterator[bytes]) -
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(watch_disconnect)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
-            }
-        )
+        await start_response(send, 200, "text/event-stream", [("cache-control", "no-cache")])
         pending: list[bytes] = []
         size = 0
         previous = None

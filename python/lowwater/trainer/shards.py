@@ -40,7 +40,19 @@ import trio
 
 from lowwater import BufferFull, FetchBuffer, LowwaterError, ShardView
 from lowwater._native import DTYPES
-from lowwater.http import HTTPError, Receive, Router, Scope, Send, id_list, parse_json, read_body, send_bytes, send_json
+from lowwater.http import (
+    HTTPError,
+    Receive,
+    Router,
+    Scope,
+    Send,
+    id_list,
+    parse_json,
+    read_body,
+    send_bytes,
+    send_json,
+    start_response,
+)
 from lowwater.memory import Trimmer
 
 log = logging.getLogger("lowwater.trainer.shards")
@@ -269,13 +281,7 @@ class ShardStore:
         present = [v for v in views if v is not None]
         header = encode_batch_header(present)
         total = len(header) + sum(v.nbytes for v in present)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"application/octet-stream"), (b"content-length", str(total).encode())],
-            }
-        )
+        await start_response(send, 200, "application/octet-stream", content_length=total)
         # One body message per shard, each a zero-copy view of the payload:
         # the response is never assembled in one buffer here.
         await send({"type": "http.response.body", "body": header, "more_body": bool(present)})
