@@ -83,17 +83,27 @@ if __name__ == "__main__":
 """
 
 
+#: multiprocessing's forkserver and resource tracker: one per process, started
+#: by an earlier test's WorkerPool (tests/eval, tests/workers) and alive until
+#: pytest exits, by design; not a warm worker left behind.
+_MP_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+
+
+def _mp_helper(p: psutil.Process) -> bool:
+    return any(helper in arg for arg in p.cmdline() for helper in _MP_HELPERS)
+
+
 def live_children(expect: int = 0, settle_s: float = 10.0) -> list[psutil.Process]:
-    """Non-zombie descendants of this process.  SIGKILL is asynchronous for
-    processes nobody reaps at once (grandchildren), so wait up to ``settle_s``
-    for their number to reach ``expect`` before reporting (a hang guard, not
-    a timing assertion)."""
+    """Non-zombie descendants of this process, multiprocessing's helpers
+    excepted.  SIGKILL is asynchronous for processes nobody reaps at once
+    (grandchildren), so wait up to ``settle_s`` for their number to reach
+    ``expect`` before reporting (a hang guard, not a timing assertion)."""
     deadline = time.monotonic() + settle_s
     while True:
         out = []
         for p in psutil.Process().children(recursive=True):
             try:
-                if p.status() != psutil.STATUS_ZOMBIE:
+                if p.status() != psutil.STATUS_ZOMBIE and not _mp_helper(p):
                     out.append(p)
             except psutil.NoSuchProcess:
                 pass
@@ -199,7 +209,8 @@ def test_per_call_env_is_applied_for_that_call_only(script, monkeypatch):
         # Cold agrees.
         assert await rt.run_script(script, keys, env={"X": "1"}) == "1,-,plain,c,-"
 
-    with_runtime(body, RuntimeConfig(persistent=True, env={"CFG": "c"}))
+    # LW_PLAIN is a host variable the runtime passes only when told (pass_env).
+    with_runtime(body, RuntimeConfig(persistent=True, env={"CFG": "c"}, pass_env=("LW_PLAIN",)))
 
 
 @pytest.mark.parametrize(
@@ -399,3 +410,51 @@ def test_worker_uses_the_configured_interpreter(script):
         assert psutil.Process(pid).cmdline()[:2] == [sys.executable, "-I"]
 
     with_runtime(body)
+
+
+def _warm_worker_module():
+    """The worker script as a module (stdlib only; importing it runs nothing)."""
+    import importlib.util
+
+    from lowwater.runtime.warm import WORKER_SCRIPT
+
+    spec = importlib.util.spec_from_file_location("_warm_worker_under_test", WORKER_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_worker_scripts_framing_is_the_codecs():
+    """The worker cannot import lowwater.framing; its copy must agree with it."""
+    import io
+
+    import orjson
+
+    from lowwater import framing
+
+    worker = _warm_worker_module()
+    assert worker._HEADER.format == framing.HEADER.format == "<I"
+    assert worker.MAX_REQUEST_BYTES == framing.MAX_FRAME_BYTES
+
+    # client -> worker: the codec's frames, back to back, then end of input.
+    requests = [{"argv": ["a", "é"], "env": None}, {"argv": [], "env": {"K": "v"}}]
+    stream = io.BytesIO(b"".join(framing.encode_frame(orjson.dumps(r)) for r in requests))
+    assert [orjson.loads(worker._recv(stream)) for _ in requests] == requests
+    assert worker._recv(stream) is None
+    too_long = framing.HEADER.pack(framing.MAX_FRAME_BYTES + 1)
+    assert worker._recv(io.BytesIO(too_long)) is False
+
+    # worker -> client: its frames, cut anywhere, decode with the codec.
+    out = io.BytesIO()
+    replies = [{"ready": True, "pid": 1}, {"ok": True, "result": "x" * 70_000}]
+    for reply in replies:
+        worker._send(out, reply)
+    data = out.getvalue()
+    decoder = framing.FrameDecoder()
+    got = []
+    for i in range(0, len(data), 4093):
+        decoder.feed(data[i : i + 4093])
+        while (payload := decoder.next_frame()) is not None:
+            got.append(orjson.loads(payload))
+    decoder.close()
+    assert got == replies

@@ -5,8 +5,12 @@ by :mod:`lowwater.runtime.warm`.  Stdlib only and never imports lowwater, so
 it starts as fast as the script itself allows and runs inside any sandbox
 that has a Python.
 
-Protocol (the worker's original stdin/stdout): frames of a 4-byte big-endian
-length followed by that many bytes of UTF-8 JSON.
+Protocol (the worker's original stdin/stdout): frames of
+:mod:`lowwater.framing` (a 4-byte unsigned little-endian length followed by
+that many bytes), each holding UTF-8 JSON.  This script cannot import
+lowwater, so ``_HEADER`` and ``MAX_REQUEST_BYTES`` below are copies of the
+codec's ``HEADER`` and ``MAX_FRAME_BYTES``; ``tests/runtime/test_warm.py``
+checks that they agree and that frames cross in both directions.
 
 * worker -> client, once: ``{"ready": true, "pid": N}`` after the import, or
   ``{"ready": false, "type", "message", "traceback"}`` (then it exits 1).
@@ -25,6 +29,9 @@ import struct
 import sys
 import traceback
 
+#: = lowwater.framing.HEADER: 4-byte unsigned little-endian length prefix.
+_HEADER = struct.Struct("<I")
+#: = lowwater.framing.MAX_FRAME_BYTES: a longer request ends the worker (exit 2).
 MAX_REQUEST_BYTES = 64 << 20
 TRACEBACK_CHARS = 32 << 10
 
@@ -49,9 +56,21 @@ def _read_exact(stream, n):
 
 def _send(stream, obj):
     data = json.dumps(obj, ensure_ascii=False).encode("utf-8")
-    stream.write(struct.pack(">I", len(data)))
+    stream.write(_HEADER.pack(len(data)))
     stream.write(data)
     stream.flush()
+
+
+def _recv(stream):
+    """The next request's payload; ``None`` at end of input; ``False`` if its
+    length exceeds ``MAX_REQUEST_BYTES``."""
+    header = _read_exact(stream, _HEADER.size)
+    if header is None:
+        return None
+    (length,) = _HEADER.unpack(header)
+    if length > MAX_REQUEST_BYTES:
+        return False
+    return _read_exact(stream, length)
 
 
 def _load(script):
@@ -148,15 +167,11 @@ def main():
         return 1
     _send(proto_out, {"ready": True, "pid": os.getpid()})
     while True:
-        header = _read_exact(proto_in, 4)
-        if header is None:
-            return 0
-        (length,) = struct.unpack(">I", header)
-        if length > MAX_REQUEST_BYTES:
-            return 2
-        body = _read_exact(proto_in, length)
+        body = _recv(proto_in)
         if body is None:
             return 0
+        if body is False:
+            return 2
         try:
             request = json.loads(body)
         except ValueError as exc:

@@ -3,7 +3,7 @@
 docs/design.md#incidents: scoring paid a 0.2 s import per rollout in a fresh
 interpreter.  A warm worker (:mod:`lowwater.runtime._warm_worker`) imports a
 script once and answers many calls to its ``main(argv) -> str`` over
-length-prefixed JSON frames on its stdin/stdout.
+JSON payloads in :mod:`lowwater.framing` frames on its stdin/stdout.
 
 Decisions:
 
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import math
 import os
-import struct
 import subprocess
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -45,6 +44,7 @@ from pathlib import Path
 import orjson
 import trio
 
+from lowwater.framing import MAX_LENGTH, FrameDecoder, FrameError, encode_frame
 from lowwater.runtime.base import (
     OutputLimitExceeded,
     ProgramTimeout,
@@ -62,7 +62,6 @@ STDERR_CAP_BYTES = 1 << 20
 STDERR_TAIL_BYTES = 4096
 #: Room in a reply frame for the JSON envelope and a traceback (bytes).
 FRAME_SLACK_BYTES = 1 << 20
-_HEADER = struct.Struct(">I")
 
 
 class _Protocol(Exception):
@@ -115,7 +114,7 @@ class WarmWorker:
         self.starts = 0
         self.crashes = 0
         self._proc: trio.Process | None = None
-        self._buf = bytearray()
+        self._frames = FrameDecoder()
         self._lock = trio.Lock()
         self._closed = False
 
@@ -141,7 +140,11 @@ class WarmWorker:
             ProgramTimeout: ``timeout`` (seconds, import excluded) expired;
                 the worker was killed.
         """
-        request = orjson.dumps({"argv": list(argv), "env": dict(env) if env else None})
+        # Bounded by the worker (MAX_REQUEST_BYTES: it exits, and the call
+        # fails as a crash), as before the codec was shared.
+        request = encode_frame(
+            orjson.dumps({"argv": list(argv), "env": dict(env) if env else None}), max_frame=MAX_LENGTH
+        )
         async with self._lock:
             if self._closed:
                 raise _Retired
@@ -152,7 +155,7 @@ class WarmWorker:
             done = False
             try:
                 with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
-                    await proc.stdin.send_all(_HEADER.pack(len(request)) + request)
+                    await proc.stdin.send_all(request)
                     reply = await self._recv(proc, self.max_output_bytes * 6 + FRAME_SLACK_BYTES)
                 if scope.cancelled_caught:
                     raise ProgramTimeout(
@@ -210,7 +213,7 @@ class WarmWorker:
         finally:
             os.close(stderr_fd)
         self.starts += 1
-        self._buf.clear()
+        self._frames.clear()
         ready = False
         try:
             with trio.move_on_after(self.start_timeout_s) as scope:
@@ -240,31 +243,27 @@ class WarmWorker:
         """One frame from the worker, decoded.
 
         Raises:
-            _Protocol: end of stream, an oversized frame, or invalid JSON.
+            _Protocol: end of stream, a frame over ``limit`` bytes, or
+                invalid JSON.
         """
-        header = await self._read(proc, _HEADER.size)
-        (length,) = _HEADER.unpack(header)
-        if length > limit:
-            raise _Protocol(f"reply frame of {length} bytes exceeds {limit}")
-        body = await self._read(proc, length)
+        while True:
+            try:
+                payload = self._frames.next_frame(min(limit, MAX_LENGTH))
+            except FrameError as exc:
+                raise _Protocol(str(exc)) from None
+            if payload is not None:
+                break
+            data = await proc.stdout.receive_some(max(65536, self._frames.missing))
+            if not data:
+                raise _Protocol("the worker closed its output")
+            self._frames.feed(data)
         try:
-            obj = orjson.loads(body)
+            obj = orjson.loads(payload)
         except orjson.JSONDecodeError as exc:
             raise _Protocol(f"malformed reply: {exc}") from None
         if not isinstance(obj, dict):
             raise _Protocol("reply is not a JSON object")
         return obj
-
-    async def _read(self, proc: trio.Process, n: int) -> bytes:
-        buf = self._buf
-        while len(buf) < n:
-            data = await proc.stdout.receive_some(max(65536, n - len(buf)))
-            if not data:
-                raise _Protocol("the worker closed its output")
-            buf += data
-        out = bytes(buf[:n])
-        del buf[:n]
-        return out
 
     async def _crashed(self, proc: trio.Process, exc: BaseException, *, starting: bool = False) -> WarmWorkerCrashed:
         await self._kill(proc)
@@ -297,7 +296,7 @@ class WarmWorker:
         """Kill ``proc``'s process group and reap it (shielded)."""
         if self._proc is proc:
             self._proc = None
-            self._buf.clear()
+            self._frames.clear()
         await reap(proc)
 
     async def aclose(self) -> None:

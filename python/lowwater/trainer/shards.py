@@ -15,8 +15,9 @@ Wire format (payloads travel as raw bytes, never base64 JSON):
   ``x-lowwater-shape`` (comma-separated ints, empty for a scalar).
 * ``GET /shards/{id}``: the payload, with the same headers; 404 if absent.
 * ``POST /shards/batch`` ``{"ids": [...]}``: 400 naming missing ids, else a
-  framed body: 4-byte little-endian header length ``n``, ``n`` bytes of JSON
-  ``[{"id", "dtype", "shape", "nbytes"}, ...]``, then the payloads in order.
+  framed body: one :mod:`lowwater.framing` frame (4-byte little-endian
+  length ``n``, ``n`` bytes of JSON ``[{"id", "dtype", "shape", "nbytes"},
+  ...]``), then the payloads in order, unframed.
 * ``DELETE /shards`` ``{"ids": [...]}``: ``{"removed": n, "stats": {...}}``.
 * ``GET /shards/stats``: the store's fetch-buffer stats.
 
@@ -29,7 +30,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import struct
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -40,6 +40,7 @@ import trio
 
 from lowwater import BufferFull, FetchBuffer, LowwaterError, ShardView
 from lowwater._native import DTYPES
+from lowwater.framing import FrameDecoder, FrameError, encode_frame
 from lowwater.http import (
     HTTPError,
     Receive,
@@ -61,7 +62,6 @@ DTYPE_HEADER = "x-lowwater-dtype"
 SHAPE_HEADER = "x-lowwater-shape"
 #: Largest single request body the shard endpoints accept (bytes).
 MAX_BODY_BYTES = 1 << 31
-_HEADER_LEN = struct.Struct("<I")
 #: mmap threshold (bytes) of a consumer's default fetch buffer.
 CONSUMER_MMAP_THRESHOLD = 64 * 1024
 
@@ -126,7 +126,7 @@ def encode_batch_header(views: Sequence[ShardView]) -> bytes:
     header = orjson.dumps(
         [{"id": v.shard_id, "dtype": v.dtype, "shape": list(v.shape), "nbytes": v.nbytes} for v in views]
     )
-    return _HEADER_LEN.pack(len(header)) + header
+    return encode_frame(header, max_frame=MAX_BODY_BYTES)
 
 
 class BatchReader:
@@ -136,7 +136,7 @@ class BatchReader:
     """
 
     def __init__(self) -> None:
-        self._pending = bytearray()
+        self._header = FrameDecoder(max_frame=MAX_BODY_BYTES)
         self._metas: list[dict[str, Any]] | None = None
         self._next = 0
         self._payload: bytearray | None = None
@@ -147,16 +147,16 @@ class BatchReader:
         view = memoryview(chunk)
         while view:
             if self._metas is None:
-                self._pending += view
+                self._header.feed(view)
                 view = view[len(view) :]
-                if len(self._pending) < _HEADER_LEN.size:
+                try:
+                    header = self._header.next_frame()
+                except FrameError as exc:
+                    raise ShardFetchError(f"batch response header: {exc}") from None
+                if header is None:
                     break
-                (n,) = _HEADER_LEN.unpack_from(self._pending)
-                if len(self._pending) < _HEADER_LEN.size + n:
-                    break
-                self._metas = orjson.loads(bytes(self._pending[_HEADER_LEN.size : _HEADER_LEN.size + n]))
-                view = memoryview(bytes(self._pending[_HEADER_LEN.size + n :]))
-                self._pending = bytearray()
+                self._metas = orjson.loads(header)
+                view = memoryview(self._header.take_buffered())  # the payloads' first bytes
                 out.extend(self._complete_empty())
                 continue
             if self._next >= len(self._metas):

@@ -1,7 +1,8 @@
 """Framing between the pool (parent) and a worker (child).
 
-One message is a 4-byte little-endian payload length followed by an orjson
-payload (a JSON object).  Both ends wrap their end of a Unix socket pair in
+One message is one frame of :mod:`lowwater.framing` (a 4-byte
+little-endian payload length, then the payload) whose payload is an orjson
+JSON object.  Both ends wrap their end of a Unix socket pair in
 :class:`trio.lowlevel.FdStream`, so reads and writes never block the loop.
 
 Messages are small and few: the parent sends task *ids* (never payloads,
@@ -12,18 +13,17 @@ heartbeat on a fixed cadence.  See ``docs/workers.md`` for every message.
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import orjson
 import trio
 
-HEADER = struct.Struct("<I")
+# MAX_FRAME_BYTES (64 MiB) is the largest accepted payload.  A result row set
+# larger than this is a bug in a job (rows are summaries, not trajectories);
+# it is refused with ProtocolError rather than buffered.
+from lowwater.framing import HEADER, MAX_FRAME_BYTES, FrameDecoder, FrameError, encode_frame
 
-#: Largest accepted payload (bytes).  A result row set larger than this is a
-#: bug in a job (rows are summaries, not trajectories); it is refused with
-#: :class:`ProtocolError` rather than buffered.
-MAX_FRAME_BYTES = 64 << 20
+__all__ = ["HEADER", "MAX_FRAME_BYTES", "FramedStream", "ProtocolError", "encode"]
 
 _DUMPS_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
@@ -40,9 +40,10 @@ def encode(message: dict[str, Any], max_frame: int = MAX_FRAME_BYTES) -> bytes:
         ProtocolError: the payload exceeds ``max_frame`` bytes.
     """
     payload = orjson.dumps(message, option=_DUMPS_OPTIONS)
-    if len(payload) > max_frame:
-        raise ProtocolError(f"frame of {len(payload)} bytes exceeds the {max_frame}-byte limit")
-    return HEADER.pack(len(payload)) + payload
+    try:
+        return encode_frame(payload, max_frame)
+    except FrameError as exc:
+        raise ProtocolError(str(exc)) from None
 
 
 class FramedStream:
@@ -59,7 +60,7 @@ class FramedStream:
     def __init__(self, stream: trio.abc.Stream, max_frame: int = MAX_FRAME_BYTES) -> None:
         self.stream = stream
         self.max_frame = max_frame
-        self._buf = bytearray()
+        self._frames = FrameDecoder(max_frame)
         self._send_lock = trio.Lock()
 
     @classmethod
@@ -91,27 +92,27 @@ class FramedStream:
             trio.BrokenResourceError: the connection was reset.
         """
         while True:
-            if len(self._buf) >= HEADER.size:
-                (size,) = HEADER.unpack_from(self._buf)
-                if size > self.max_frame:
-                    raise ProtocolError(f"incoming frame of {size} bytes exceeds the {self.max_frame}-byte limit")
-                end = HEADER.size + size
-                if len(self._buf) >= end:
-                    try:
-                        with memoryview(self._buf) as view:
-                            message = orjson.loads(view[HEADER.size : end])
-                    except orjson.JSONDecodeError as exc:
-                        raise ProtocolError(f"malformed payload: {exc}") from None
-                    del self._buf[:end]
-                    if not isinstance(message, dict):
-                        raise ProtocolError("payload is not a JSON object")
-                    return message
+            try:
+                payload = self._frames.next_frame()
+            except FrameError as exc:
+                raise ProtocolError(str(exc)) from None
+            if payload is not None:
+                break
             chunk = await self.stream.receive_some(1 << 16)
             if not chunk:
-                if self._buf:
-                    raise ProtocolError(f"stream ended inside a frame ({len(self._buf)} bytes pending)")
+                try:
+                    self._frames.close()
+                except FrameError as exc:
+                    raise ProtocolError(str(exc)) from None
                 return None
-            self._buf += chunk
+            self._frames.feed(chunk)
+        try:
+            message = orjson.loads(payload)
+        except orjson.JSONDecodeError as exc:
+            raise ProtocolError(f"malformed payload: {exc}") from None
+        if not isinstance(message, dict):
+            raise ProtocolError("payload is not a JSON object")
+        return message
 
     async def aclose(self) -> None:
         await self.stream.aclose()
