@@ -231,3 +231,35 @@ def test_pool_respects_allocator_values_in_the_environment(monkeypatch):
     assert WorkerPool(JobSpec(jobs.FACTORY), workers=1, malloc_arena_max=1).allocator.arena_max == 1
     assert WorkerPool(JobSpec(jobs.FACTORY), workers=1, allocator_hygiene=False).allocator is None
     assert os.environ["MALLOC_ARENA_MAX"] == "3"  # the parent's own environment is never changed
+
+
+@pytest.mark.parametrize(
+    "group, raised",
+    [
+        (BaseExceptionGroup("torn down", [KeyboardInterrupt(), RuntimeError("with it")]), KeyboardInterrupt),
+        (
+            BaseExceptionGroup("torn down", [ExceptionGroup("inner", [ValueError()]), KeyboardInterrupt()]),
+            KeyboardInterrupt,
+        ),
+        (ExceptionGroup("torn down", [RuntimeError("alone")]), ExceptionGroup),
+    ],
+)
+def test_ctrl_c_out_of_the_pools_nursery_comes_out_bare(monkeypatch, group, raised):
+    """Whatever group the nursery raises, a KeyboardInterrupt in it is raised
+    by itself (the CLI expects it so); a group without one is left alone."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def breaking_nursery():
+        raise group
+        yield  # unreachable: makes this an async generator
+
+    monkeypatch.setattr(trio, "open_nursery", breaking_nursery)
+    pool = WorkerPool(JobSpec(jobs.FACTORY), workers=1)
+
+    async def on_rows(rows, info):
+        raise AssertionError("nothing runs")
+
+    with pytest.raises(raised) as info:
+        trio.run(pool.run, ["ok:1"], on_rows)
+    assert type(info.value) is raised

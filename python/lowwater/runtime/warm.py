@@ -151,7 +151,7 @@ class WarmWorker:
             if self._proc is None:
                 await self._start()
             proc = self._proc
-            assert proc is not None
+            assert proc is not None and proc.stdin is not None  # started with stdin=PIPE
             done = False
             try:
                 with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
@@ -246,6 +246,7 @@ class WarmWorker:
             _Protocol: end of stream, a frame over ``limit`` bytes, or
                 invalid JSON.
         """
+        assert proc.stdout is not None  # started with stdout=PIPE
         while True:
             try:
                 payload = self._frames.next_frame(min(limit, MAX_LENGTH))
@@ -290,7 +291,8 @@ class WarmWorker:
                 return ""
 
         with trio.CancelScope(shield=True):
-            return await trio.to_thread.run_sync(read)
+            tail = await trio.to_thread.run_sync(read)
+        return tail
 
     async def _kill(self, proc: trio.Process) -> None:
         """Kill ``proc``'s process group and reap it (shielded)."""
@@ -415,7 +417,7 @@ class WarmWorkers:
     async def _evict_over_cap(self, keep: WarmWorker) -> None:
         """Close the least recently used idle workers beyond ``max_warm_workers``."""
         excess = len(self._workers) - self.config.max_warm_workers
-        victims = []
+        victims: list[str] = []
         for path, worker in self._workers.items():
             if len(victims) >= excess:
                 break

@@ -35,7 +35,7 @@ import functools
 import os
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import attrs
@@ -159,9 +159,9 @@ def apply(settings: AllocatorSettings, environ: dict[str, str] | None = None) ->
     or ``None`` when ``mallopt`` is unavailable.  Never raises for a missing
     or foreign allocator.
     """
-    environ = os.environ if environ is None else environ
+    target: MutableMapping[str, str] = os.environ if environ is None else environ
     exported = settings.environ()
-    environ.update(exported)
+    target.update(exported)
     libc = _libc()
     results: dict[str, int | None] = {}
     for name, param, value in (

@@ -62,15 +62,15 @@ def check_python(version: tuple[int, int] | None = None, implementation: str | N
         RuntimeError: not CPython within :data:`SUPPORTED_PYTHON`; the message
             names the supported range and the ``start_method="spawn"`` way out.
     """
-    version = tuple(sys.version_info[:2]) if version is None else tuple(version)  # type: ignore[assignment]
+    major, minor = sys.version_info[:2] if version is None else version
     implementation = sys.implementation.name if implementation is None else implementation
     low, high = SUPPORTED_PYTHON
-    if implementation == "cpython" and low <= version < high:
+    if implementation == "cpython" and low <= (major, minor) < high:
         return
     raise RuntimeError(
         f"lowwater's worker pool starts workers with a copy of CPython's private forkserver launcher "
         f"(multiprocessing.popen_forkserver.Popen._launch), checked on CPython {supported_range()} only; "
-        f"this is {implementation} {version[0]}.{version[1]}. "
+        f"this is {implementation} {major}.{minor}. "
         f"Use a supported Python, or WorkerPool(..., start_method='spawn') (slower starts, and every worker "
         f"re-imports the parent's __main__)."
     )
@@ -94,9 +94,10 @@ class LeanPopen(popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             mp_context.set_spawning_popen(None)
-        self.sentinel, w = forkserver.connect_to_new_process(self._fds)
+        # _fds and util.close_fds are private; typeshed does not list them.
+        self.sentinel, w = forkserver.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
         _parent_w = os.dup(w)
-        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
+        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))  # type: ignore[attr-defined]
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
         self.pid = forkserver.read_signed(self.sentinel)

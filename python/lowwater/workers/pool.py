@@ -109,16 +109,12 @@ class WorkerPool(WorkerSupervision):
         else:
             limit, source = memory_limit_bytes()
         self.memory_limit_source = source
-        self._admission_args = dict(
-            worker_high_bytes=None if config.high_water_mb is None else config.high_water_mb * MIB,
-            worker_low_bytes=None if config.low_water_mb is None else config.low_water_mb * MIB,
-            limit_bytes=limit,
-            pool_high_fraction=config.pool_high_water_fraction,
-            pool_low_fraction=config.pool_low_water_fraction,
-        )
-        self.admission = PoolAdmission(**self._admission_args)  # validates the marks
+        self._limit_bytes = limit
+        self.admission = self._new_admission()
         self._rng = random.Random(config.seed)
         self._running = False
+        self._failure: BaseException | None = None
+        self._main_scope: trio.CancelScope | None = None
         self._workers: list[WorkerRecord] = []
         self._next_wid = 0
 
@@ -172,6 +168,7 @@ class WorkerPool(WorkerSupervision):
             return self._finish_report()
         tasks = itertools.chain([first], it)
         configure_forkserver(self.config.preload)
+        interrupted = False
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -199,13 +196,20 @@ class WorkerPool(WorkerSupervision):
                         await self._kill_all()
                     for scope in list(self._service_scopes):
                         scope.cancel()
-        except BaseExceptionGroup as group:
-            if group.subgroup(KeyboardInterrupt) is not None:
-                raise KeyboardInterrupt from None  # as the CLI expects it, not wrapped
-            raise
+        # A strict Trio nursery raises groups only.  Ctrl-C anywhere in the
+        # group wins and is re-raised bare, as the CLI expects it; what came
+        # with it (Cancelled of an outside cancellation, say) is dropped, or
+        # it would wrap the KeyboardInterrupt again.
+        except* KeyboardInterrupt:
+            interrupted = True
+        except* BaseException:
+            if not interrupted:
+                raise
         finally:
             self._running = False
             self._report.wall_s = round(time.perf_counter() - started, 6)
+        if interrupted:
+            raise KeyboardInterrupt from None
         if self._failure is not None:
             raise self._failure
         return self._finish_report()
@@ -252,7 +256,7 @@ class WorkerPool(WorkerSupervision):
     # -- run state --------------------------------------------------------------
 
     def _reset(self) -> None:
-        self.admission = PoolAdmission(**self._admission_args)
+        self.admission = self._new_admission()
         self._report = PoolReport(
             memory_limit_mb=round(self.admission.limit_bytes / MIB, 2), memory_limit_source=self.memory_limit_source
         )
@@ -265,15 +269,25 @@ class WorkerPool(WorkerSupervision):
         self._seq = 0
         self._consecutive_start_failures = 0
         self._last_fatal: str | None = None
-        self._failure: BaseException | None = None
+        self._failure = None
         self._service_scopes: set[trio.CancelScope] = set()
-        self._main_scope: trio.CancelScope | None = None
+        self._main_scope = None
         self._wake = trio.Event()
         self._parent_rss = psutil.Process().memory_info().rss
         self._deliver_send, self._deliver_recv = trio.open_memory_channel[tuple[list[dict[str, Any]], TaskInfo]](
             math.inf
         )
         self._start_lock = trio.Lock()
+
+    def _new_admission(self) -> PoolAdmission:
+        c = self.config
+        return PoolAdmission(
+            worker_high_bytes=None if c.high_water_mb is None else c.high_water_mb * MIB,
+            worker_low_bytes=None if c.low_water_mb is None else c.low_water_mb * MIB,
+            limit_bytes=self._limit_bytes,
+            pool_high_fraction=c.pool_high_water_fraction,
+            pool_low_fraction=c.pool_low_water_fraction,
+        )
 
     def _finish_report(self) -> PoolReport:
         r = self._report
