@@ -369,7 +369,12 @@ class InterceptionServer:
                     else:
                         await self._forward(call, send)
                 except HTTPError as err:
-                    failure = err
+                    # Kept without its traceback and context: they hold this
+                    # frame (a cycle) and the upstream client's frames, with a
+                    # view of the intercept, until the cyclic GC ran (30 failed
+                    # calls of 4 MiB left 12 MiB of live_bytes a minute later).
+                    failure = err.with_traceback(None)
+                    failure.__context__ = failure.__cause__ = None
         finally:
             call.done = True
             slot.handlers.discard(scope)
