@@ -9,7 +9,13 @@
 //! request set, then re-checks the rollout's `closed` flag; a close sets the
 //! flag, then sweeps the request set.  A SeqCst fence on each side between
 //! the write and the read (the store-buffer pattern) guarantees at least one
-//! side sees the other, so no intercept outlives its rollout's close.
+//! side sees the other, so no intercept outlives its rollout's close.  The
+//! map and the request list give no such guarantee themselves (papaya and
+//! arc-swap publish with Release and read with Acquire): both fences are
+//! needed, and the loom model `insert_racing_close_never_leaks` fails without
+//! either (tests/loom.rs; src/sync.rs keeps the model's map and list that
+//! weak).  Given both fences, the flag's own SeqCst is not needed (Relaxed
+//! would do, by the fence-to-fence rule), so loom cannot catch weakening it.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

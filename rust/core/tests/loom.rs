@@ -1,7 +1,8 @@
 //! Loom models of the two protocols the tables' correctness rests on.
 //!
 //! Run with: `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p lowwater-core --release --test loom`
-//! (about 40 s on two cores, most of it `insert_racing_close_never_leaks`).
+//! (13-20 s on two cores once built, most of it `insert_racing_close_never_leaks`;
+//! about 55 s more to build from scratch).
 //!
 //! Under `--cfg loom`, src/sync.rs swaps papaya and arc-swap for lock-free
 //! stand-ins on loom's atomics with the orderings production has and no
