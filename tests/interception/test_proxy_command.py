@@ -145,11 +145,13 @@ def test_admin_key_is_checked_before_the_route_table_answers(tmp_path):
         assert r.status_code == 405 and r.headers["allow"] == "POST"
         r = await http.delete(f"{url}/lowwater/rollouts", headers=admin)
         assert r.status_code == 405 and r.headers["allow"] == "GET, POST"
-        # A rollout id is the path segment as the server decoded it, once.
-        r = await http.post(f"{url}/lowwater/rollouts", json={"rollout_id": "a%20b"}, headers=admin)
+        # A rollout id is the path segment as the server decoded it, once
+        # ("x%2541" names "x%41", not an id; never "xA").
+        r = await http.post(f"{url}/lowwater/rollouts", json={"rollout_id": "xA"}, headers=admin)
         assert r.status_code == 200
-        r = await http.delete(f"{url}/lowwater/rollouts/a%2520b", headers=admin)
-        assert r.json() == {"rollout_id": "a%20b", "turns": 0, "swept": 0}
+        assert (await http.delete(f"{url}/lowwater/rollouts/x%2541", headers=admin)).status_code == 400
+        r = await http.delete(f"{url}/lowwater/rollouts/x%41", headers=admin)
+        assert r.json() == {"rollout_id": "xA", "turns": 0, "swept": 0}
 
     trio.run(_with_proxy, tmp_path, fn)
 

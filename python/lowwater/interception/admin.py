@@ -39,6 +39,7 @@ from lowwater.http import (
     send_bytes,
     send_json,
 )
+from lowwater.ids import check_id
 from lowwater.interception.server import InterceptionServer
 from lowwater.memory import Trimmer, rss_bytes
 from lowwater.trainer.sessions import (
@@ -131,7 +132,7 @@ class Admin:
         await send_json(send, 200, self.open(options, _host(scope)))
 
     async def _close_rollout(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send_json(send, 200, await self.close(scope["path_params"]["rollout_id"]))
+        await send_json(send, 200, await self.close(_id(scope["path_params"]["rollout_id"], "rollout id")))
 
     async def _get_sessions(self, scope: Scope, receive: Receive, send: Send) -> None:
         store = self._sessions_on()
@@ -139,7 +140,7 @@ class Admin:
 
     async def _set_reward(self, scope: Scope, receive: Receive, send: Send) -> None:
         store = self._sessions_on()
-        session_id = scope["path_params"]["session_id"]
+        session_id = _id(scope["path_params"]["session_id"], "session id")
         body = parse_json(await read_body(scope, receive, OPTIONS_MAX_BYTES))
         if not isinstance(body, dict) or "reward" not in body:
             raise HTTPError(400, 'body must be {"reward": NUMBER}')
@@ -156,6 +157,8 @@ class Admin:
             or not all(isinstance(i, str) for i in body["session_ids"])
         ):
             raise HTTPError(400, 'body must be {"session_ids": [STRING, ...], "discount"?, "style"?}')
+        for session_id in body["session_ids"]:
+            _id(session_id, "each of session_ids")
         with session_errors():
             records = store.export(body["session_ids"], body.get("discount", 1.0), body.get("style", "individual"))
         # Exported sessions' interactions can be large: serialised off the loop.
@@ -183,11 +186,10 @@ class Admin:
         """
         if not isinstance(options, dict):
             raise HTTPError(400, "body must be a JSON object")
-        rollout_id = options.get("rollout_id") or uuid.uuid4().hex
+        rollout_id = options.get("rollout_id")
+        rollout_id = uuid.uuid4().hex if rollout_id is None else _id(rollout_id, "rollout_id")
         task_id = options.get("task_id", "")
         group_id = options.get("group_id")
-        if not isinstance(rollout_id, str) or "/" in rollout_id:
-            raise HTTPError(400, "rollout_id must be a string without '/'")
         if not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
             raise HTTPError(400, "task_id must be a string or an integer")
         if group_id is not None and not isinstance(group_id, str):
@@ -355,6 +357,14 @@ def session_errors() -> Iterator[None]:
         raise HTTPError(404, str(exc)) from None
     except SessionConflict as exc:
         raise HTTPError(409, str(exc)) from None
+    except ValueError as exc:
+        raise HTTPError(400, str(exc)) from None
+
+
+def _id(value: object, what: str) -> str:
+    """``value`` if it is a valid id (:mod:`lowwater.ids`); :class:`HTTPError` 400 naming the rule otherwise."""
+    try:
+        return check_id(value, what)
     except ValueError as exc:
         raise HTTPError(400, str(exc)) from None
 

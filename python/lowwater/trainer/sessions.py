@@ -17,6 +17,7 @@ revokes their keys under the store lock *before* anything else.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -33,6 +34,7 @@ import orjson
 import trio
 
 from lowwater import LowwaterError
+from lowwater.ids import check_id, is_valid_id
 
 log = logging.getLogger("lowwater.trainer.sessions")
 
@@ -184,8 +186,10 @@ class SessionStore:
 
         Raises:
             SessionConflict: the id or the key is already in use.
+            ValueError: ``session_id`` is not a valid id (:data:`lowwater.ids.ID_PATTERN`:
+                it names the session's dump file).
         """
-        sid = session_id or uuid.uuid4().hex
+        sid = uuid.uuid4().hex if session_id is None else check_id(session_id, "session_id")
         key = api_key or "lw-" + secrets.token_urlsafe(24)
         session = Session(sid, key, group_id or sid, self._clock())
         with self._lock:
@@ -332,13 +336,19 @@ class SessionStore:
         failures: list[str] = []
         freed = 0
         for session in stale:
-            snap = session.snapshot()
+            # Each session on its own: one that cannot be dumped (a full
+            # disk, an unwritable payload) is reported and the others are
+            # still dumped and freed.  A pass used to stop at the first
+            # failure that was not an OSError, leaving the sessions popped
+            # after it undumped.
             try:
                 if self.config.dump_dir is not None:
-                    path = self.config.dump_dir / f"{session.session_id}.json"
+                    path = dump_path(self.config.dump_dir, session.session_id)
+                    snap = session.snapshot()
                     await trio.to_thread.run_sync(_write_private, path, snap)
+                    del snap
                     dumped.append(path)
-            except OSError as exc:
+            except Exception as exc:
                 failures.append(session.session_id)
                 log.warning("could not dump stale session %s: %r (freed anyway)", session.session_id, exc)
             finally:
@@ -413,6 +423,19 @@ def _export_one(snap: dict[str, Any], discount: float, style: ExportStyle) -> li
         }
         for k, item in enumerate(items)
     ]
+
+
+def dump_path(dump_dir: Path, session_id: str) -> Path:
+    """Where a stale session is dumped: ``dump_dir / "SESSION_ID.json"``.
+
+    Ids are checked at :meth:`SessionStore.start_session`; an id that is not
+    valid all the same (a store filled some other way) is named by its
+    SHA-256 instead, so no path is ever built from it.
+    """
+    if is_valid_id(session_id):
+        return dump_dir / f"{session_id}.json"
+    digest = hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()
+    return dump_dir / f"session-{digest}.json"
 
 
 def _write_private(path: Path, payload: dict[str, Any]) -> None:
