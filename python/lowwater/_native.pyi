@@ -8,7 +8,26 @@ release whatever the allocator does.  All byte figures are bytes; ages are
 seconds.
 """
 
-from collections.abc import Buffer, Iterable
+from collections.abc import Iterable
+from typing import Self, final
+
+# typing_extensions, not collections.abc: Buffer is in collections.abc from 3.12
+# only, and the package supports 3.11.  A stub is never imported, so this is
+# read by the type checker alone (mypy reads its bundled typeshed copy).
+from typing_extensions import Buffer
+
+# The extension's own __all__ (pyo3 appends every name the module adds).
+__all__ = [
+    "LowwaterError",
+    "BufferFull",
+    "RolloutClosed",
+    "InternalError",
+    "FetchBuffer",
+    "ShardView",
+    "InterceptTable",
+    "InterceptView",
+    "DTYPES",
+]
 
 DTYPES: dict[str, int]
 """Supported dtype names and their item sizes in bytes."""
@@ -25,6 +44,7 @@ class RolloutClosed(LowwaterError):
 class InternalError(LowwaterError):
     """A bug in the extension (a caught Rust panic); the table is still usable."""
 
+@final
 class ShardView:
     """Read-only zero-copy view of one shard's payload (buffer protocol).
 
@@ -46,6 +66,7 @@ class ShardView:
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
+@final
 class FetchBuffer:
     """The shard fetch buffer: ``shard_id -> shard`` (payload + dtype, shape, owner).
 
@@ -59,7 +80,7 @@ class FetchBuffer:
         ValueError: a negative ``capacity_bytes`` or ``mmap_threshold``.
     """
 
-    def __init__(self, capacity_bytes: int | None = None, mmap_threshold: int = 1 << 20) -> None: ...
+    def __new__(cls, capacity_bytes: int | None = None, mmap_threshold: int = 1 << 20) -> Self: ...
     @property
     def capacity_bytes(self) -> int | None:
         """The bound given at construction (bytes), or ``None``."""
@@ -97,8 +118,9 @@ class FetchBuffer:
         ``inserts``, ``hits``, ``misses``, ``removals``, ``rejected``."""
     def keys(self) -> list[str]: ...
     def __len__(self) -> int: ...
-    def __contains__(self, shard_id: object) -> bool: ...
+    def __contains__(self, shard_id: object, /) -> bool: ...
 
+@final
 class InterceptView:
     """Read-only zero-copy view of one intercepted request body (buffer protocol)."""
 
@@ -118,6 +140,7 @@ class InterceptView:
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
+@final
 class InterceptTable:
     """The intercept table: ``request_id -> intercept`` for in-flight model calls.
 
@@ -128,7 +151,7 @@ class InterceptTable:
         mmap_threshold: bodies of at least this many bytes get their own mapping.
     """
 
-    def __init__(self, capacity_bytes: int | None = None, mmap_threshold: int = 1 << 20) -> None: ...
+    def __new__(cls, capacity_bytes: int | None = None, mmap_threshold: int = 1 << 20) -> Self: ...
     @property
     def capacity_bytes(self) -> int | None:
         """The bound given at construction (bytes), or ``None``."""
@@ -169,4 +192,4 @@ class InterceptTable:
         ``open_rollouts``, ``inserts``, ``discards``, ``swept``, ``rejected``."""
     def keys(self) -> list[str]: ...
     def __len__(self) -> int: ...
-    def __contains__(self, request_id: object) -> bool: ...
+    def __contains__(self, request_id: object, /) -> bool: ...
