@@ -45,6 +45,10 @@ class EngineConfig:
         persistent: take runtimes from a pool (reset between uses).
         pass_env: host variables passed to agent programs and scripts beyond
             the runtime's allow-list (see :class:`lowwater.runtime.RuntimeConfig`).
+        sampling: sampling arguments added to every model call forwarded
+            upstream (``temperature``, ``top_p``, ``max_tokens``, any other
+            key); a key the agent's request sets itself wins (see
+            :mod:`lowwater.interception.sampling`).
 
     Raises:
         ValueError: a count below 1, a non-positive timeout, an unknown harness.
@@ -60,6 +64,7 @@ class EngineConfig:
     harness: str = attrs.field(default="inprocess", validator=v.one_of(HARNESSES, "harness"))
     persistent: bool = True
     pass_env: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    sampling: dict[str, Any] = attrs.field(factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The settings a worker process needs, JSON-able."""
@@ -101,6 +106,7 @@ async def open_engine(
             server = InterceptionServer(
                 client, protocols=list(plugins.protocols.values()) or None, request_logprobs=request_logprobs
             )
+            server.sampling = dict(config.sampling)
             async with (
                 trio.open_nursery() as services,
                 AgentClient(max_idle=config.concurrency, timeout_s=config.timeout_s) as http,
@@ -176,6 +182,7 @@ class EngineJob(WorkerJob):
         self.server: Any = None
         self._stop = trio.Event()
         self._closed = trio.Event()
+        self._leftovers: dict[str, int] | None = None
 
     async def setup(self) -> None:
         self.plugins = plugins_mod.load()
@@ -206,7 +213,11 @@ class EngineJob(WorkerJob):
             self._closed.set()
 
     def leftovers(self) -> dict[str, int]:
-        """The engine's and intercept table's non-zero live counts (empty when nothing leaked)."""
+        """The engine's and intercept table's non-zero live counts (empty when
+        nothing leaked); after ``teardown()``, the counts it measured once the
+        ``shutdown`` hooks had run."""
+        if self._leftovers is not None:
+            return self._leftovers
         if self.engine is None:
             return {}
         state = {**self.engine.stats(), "intercepts": len(self.server.table)}
@@ -233,7 +244,7 @@ class EngineJob(WorkerJob):
     async def teardown(self) -> None:
         if self.engine is not None:
             await self.plugins.fire("shutdown")
-            leftovers = self.leftovers()
+            leftovers = self._leftovers = self.leftovers()
             if leftovers:  # every per-rollout structure should be empty here
                 log.warning("worker ends with per-rollout state left: %s", leftovers)
         self._stop.set()

@@ -7,7 +7,10 @@ broken discovery path breaks lowwater's own features first, not only third
 parties' (pytest and devpi do the same).
 
 ``LOWWATER_DISABLE_PLUGINS`` (comma-separated entry-point names) blocks
-plugins before they are imported.  A plugin that fails to import, or whose
+plugins before they are imported.  ``LOWWATER_PLUGINS`` (comma-separated
+module names) registers more plugins without installing a distribution, like
+pytest's ``PYTEST_PLUGINS``: for tests and quick experiments; the variable
+reaches every process lowwater starts (env workers, the proxy).  A plugin that fails to import, or whose
 hook implementations do not match their specs, is skipped and reported by
 name in :attr:`Plugins.failures` (one line each, no traceback).
 """
@@ -32,6 +35,7 @@ log = logging.getLogger("lowwater.plugins")
 
 ENTRY_POINT_GROUP = "lowwater"
 DISABLE_ENV = "LOWWATER_DISABLE_PLUGINS"
+EXTRA_ENV = "LOWWATER_PLUGINS"
 LIFECYCLE_HOOKS = tuple(sorted(hookspecs.ASYNC_HOOKS))
 
 
@@ -70,6 +74,24 @@ def disabled_names(environ: dict[str, str] | None = None) -> set[str]:
     """Entry-point names listed in ``LOWWATER_DISABLE_PLUGINS``."""
     raw = (environ if environ is not None else os.environ).get(DISABLE_ENV, "")
     return {n.strip() for n in raw.split(",") if n.strip()}
+
+
+def env_plugins(environ: dict[str, str] | None = None) -> list[tuple[str, object]]:
+    """The modules named in ``LOWWATER_PLUGINS``, imported, as ``(name, module)`` pairs.
+
+    Raises:
+        PluginError: a named module cannot be imported (named in the message).
+    """
+    raw = (environ if environ is not None else os.environ).get(EXTRA_ENV, "")
+    out: list[tuple[str, object]] = []
+    for name in (n.strip() for n in raw.split(",")):
+        if not name:
+            continue
+        try:
+            out.append((name, importlib.import_module(name)))
+        except Exception as exc:  # named, one line: the user typed this name
+            raise PluginError(f"{EXTRA_ENV}: cannot import {name!r}: {type(exc).__name__}: {exc}") from exc
+    return out
 
 
 def _check_kinds(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
@@ -277,16 +299,18 @@ async def _run_all(calls: list[tuple[str, Any, dict[str, Any]]]) -> None:
 
 def load(disabled: Iterable[str] | None = None, extra: Iterable[tuple[str, object]] = ()) -> Plugins:
     """Build the plugin manager: entry points (minus ``disabled``, default from
-    ``LOWWATER_DISABLE_PLUGINS``), then ``extra`` ``(name, plugin)`` pairs
-    (for tests and embedding), then the registries.
+    ``LOWWATER_DISABLE_PLUGINS``), then the modules named in ``LOWWATER_PLUGINS``,
+    then ``extra`` ``(name, plugin)`` pairs (for tests and embedding), then
+    the registries.
 
     Raises:
-        PluginError: an ``extra`` plugin is malformed, or two plugins
-            registered the same runtime/protocol/environment/policy name.
+        PluginError: an ``extra`` or ``LOWWATER_PLUGINS`` plugin is malformed
+            or cannot be imported, or two plugins registered the same
+            runtime/protocol/environment/policy name.
     """
     plugins = Plugins()
     plugins.load_entry_points(disabled_names() if disabled is None else disabled)
-    for name, plugin in extra:
+    for name, plugin in [*env_plugins(), *extra]:
         plugins.register(plugin, name)
     plugins.build_registries()
     return plugins

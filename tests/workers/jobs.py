@@ -59,6 +59,10 @@ class ToyJob(WorkerJob):
     def stats(self) -> dict[str, Any]:
         return {"runs": self.runs, "leaked_mb": len(_LEAKED) and sum(map(len, _LEAKED)) / (1 << 20)}
 
+    def leftovers(self) -> dict[str, int]:
+        # What a "leak:MB" task left behind, as an engine reports live trajectories.
+        return {"leaked_buffers": len(_LEAKED)} if _LEAKED else {}
+
     async def run(self, task_id: Any, attempt: int) -> list[dict[str, Any]]:
         self.runs += 1
         kind, *args = str(task_id).split(":")

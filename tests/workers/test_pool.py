@@ -429,3 +429,14 @@ def test_a_blocked_parent_does_not_time_its_workers_out():
     report = trio.run(pool.run, tasks, on_rows)
     rec.one_row_per_task(tasks)
     assert report.replaced_after_heartbeat_timeout == 0 and report.workers_started == 1
+
+
+def test_workers_report_their_leftovers_to_the_parent():
+    # Two workers, one leaking task each on its own worker: each worker sends
+    # what it left alive as it exits, and the parent's report sums them.
+    rec = Recorder()
+    report, _ = run_pool(["leak:1", "ok:1", "leak:1", "ok:2"], rec, workers=1, max_tasks_per_worker=2)
+    assert report.leftovers == {"leaked_buffers": 2}
+    rec = Recorder()
+    report, _ = run_pool(["ok:1", "ok:2"], rec, workers=1)
+    assert report.leftovers == {}

@@ -328,6 +328,13 @@ class _Child:
                         await self.job.teardown()
                     except Exception:
                         traceback.print_exc()
+                    try:
+                        leftovers = self.job.leftovers()
+                    except Exception:
+                        traceback.print_exc()
+                        leftovers = {"leftovers_check_failed": 1}
+                    if leftovers:
+                        self.outbox.put(encode({"op": "leftovers", "pid": self.pid, "leftovers": leftovers}))
                 services.cancel_scope.cancel()
         return 0
 

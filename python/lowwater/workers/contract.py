@@ -71,6 +71,14 @@ class WorkerJob:
         """Extra heartbeat stats (table stats...): cheap, non-blocking, JSON-able."""
         return {}
 
+    def leftovers(self) -> dict[str, int]:
+        """Per-task state still alive after ``teardown()``: name -> count,
+        only the non-zero ones (empty when nothing leaked).  Sent to the
+        parent as the worker exits and summed into
+        :attr:`PoolReport.leftovers`, so a leak in a worker is reported where
+        the run's summary is, not only in the worker's log."""
+        return {}
+
     async def tick(self, stats: dict[str, Any]) -> None:
         """Called on the heartbeat cadence in its own task (fire ``worker_tick`` here).
 
@@ -130,6 +138,7 @@ class PoolReport:
     memory_limit_source: str = ""
     cancelled: bool = False
     wall_s: float = 0.0
+    leftovers: dict[str, int] = attrs.field(factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)

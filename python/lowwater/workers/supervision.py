@@ -73,6 +73,8 @@ class WorkerSupervision:
         def _push(self, rows: list[dict[str, Any]], info: TaskInfo) -> None: ...
         def _need_workers(self) -> bool: ...
         def _active(self) -> int: ...
+        def _pin(self, w: WorkerRecord, task_id: Any) -> None: ...
+        def _pinned(self, w: WorkerRecord) -> bool: ...
 
     # -- the worker set ---------------------------------------------------------
 
@@ -118,6 +120,8 @@ class WorkerSupervision:
         self._emit("retiring", w, reason=reason, dispatched=w.dispatched, rss=w.rss)
 
     def _may_exit(self, w: WorkerRecord) -> bool:
+        if self._pinned(w):
+            return False  # it produced data of a step not yet cleared (WorkerPool pin_by)
         if w.replacement is not None:
             return w.replacement.ready_at is not None
         return not self._need_workers()
@@ -257,6 +261,7 @@ class WorkerSupervision:
                 task_id, attempt = item
                 w.completed += 1
                 info = TaskInfo(task_id, attempt, attempt > 1, w.pid, w.wid, str(message["status"]))
+                self._pin(w, task_id)
                 self._push(message["rows"], info)
             self._reconcile()
         elif op == "hb":
@@ -266,6 +271,11 @@ class WorkerSupervision:
             self._reconcile()
         elif op == "ready":
             self._on_ready(w, message)
+        elif op == "leftovers":
+            left = {str(k): int(v) for k, v in dict(message.get("leftovers") or {}).items()}
+            log.warning("worker %d (pid %s) ended with per-task state left: %s", w.wid, w.pid, left)
+            for key, count in left.items():
+                self._report.leftovers[key] = self._report.leftovers.get(key, 0) + count
         elif op == "fatal":
             w.fatal = str(message.get("error"))
             self._last_fatal = w.fatal
