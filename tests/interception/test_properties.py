@@ -23,6 +23,8 @@ from lowwater.upstream.client import ModelClient
 from .upstream import Upstream
 
 PATHS = {"openai.chat": "/chat/completions", "openai.responses": "/responses", "anthropic.messages": "/messages"}
+#: Deadline of one settle (seconds): handlers end in milliseconds; generous for a loaded machine.
+SETTLE_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +50,14 @@ def settle(loop, server) -> None:
     import trio.testing
 
     async def wait():
-        while len(server.table) or server.stats()["waiting_handlers"]:
-            await trio.testing.wait_all_tasks_blocked()
-            await trio.sleep(0.001)
+        # A leaked intercept or a handler that never finishes must fail the
+        # example, not loop until CI's timeout.
+        with trio.move_on_after(SETTLE_S):
+            while len(server.table) or server.stats()["waiting_handlers"]:
+                await trio.testing.wait_all_tasks_blocked()
+                await trio.sleep(0.001)
+            return
+        raise AssertionError(f"not settled after {SETTLE_S} s: table {server.table.stats()}, {server.stats()}")
 
     loop.run(wait)
 
