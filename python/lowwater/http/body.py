@@ -13,6 +13,13 @@ from lowwater.http.asgi import HTTPError, Receive, Scope
 # seconds) so the client, still writing, reads the 413 instead of a
 # connection reset.
 DRAIN_S = 5.0
+#: The deepest nesting of arrays and objects a server that keeps what it
+#: parses accepts (``parse_json(..., max_depth=MAX_JSON_DEPTH)``).  orjson
+#: parses 1,024 levels but writes at most 254: a request nesting 255 levels
+#: was accepted, then its trajectory line, session export and stale dump all
+#: failed.  128 leaves room for the levels a trajectory line, an export or a
+#: dump wraps around a request's messages.
+MAX_JSON_DEPTH = 128
 
 
 async def read_body(scope: Scope, receive: Receive, limit_bytes: int) -> bytes | bytearray:
@@ -76,12 +83,43 @@ def content_length(scope: Scope) -> int | None:
     return None
 
 
-def parse_json(body: bytes | bytearray) -> Any:
-    """Decode a JSON body; :class:`HTTPError` 400 naming the problem."""
+def parse_json(body: bytes | bytearray, *, max_depth: int | None = None) -> Any:
+    """Decode a JSON body; :class:`HTTPError` 400 naming the problem.
+
+    Args:
+        body: the request body.
+        max_depth: refuse a document whose arrays and objects nest deeper
+            than this (levels; ``None``: orjson's own limit of 1,024).
+
+    Raises:
+        HTTPError: 400 for malformed JSON or nesting past ``max_depth``.
+    """
     try:
-        return orjson.loads(body)
+        value = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise HTTPError(400, f"malformed JSON: {exc}") from None
+    if max_depth is not None and nests_deeper(value, max_depth):
+        raise HTTPError(400, f"JSON nests deeper than {max_depth} levels of arrays and objects")
+    return value
+
+
+def nests_deeper(value: Any, limit: int) -> bool:
+    """True if ``value``'s dicts, lists and tuples nest more than ``limit`` levels
+    (a scalar is 0 levels, ``[]`` one, ``[[1]]`` two).  Iterative: no recursion
+    limit, and it stops at the first container past ``limit``."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list, tuple)))
+    return False
 
 
 def id_list(payload: Any, key: str = "ids") -> list[str]:

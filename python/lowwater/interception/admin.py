@@ -27,6 +27,7 @@ import orjson
 import trio
 
 from lowwater.http import (
+    MAX_JSON_DEPTH,
     HTTPError,
     Receive,
     Router,
@@ -50,6 +51,7 @@ from lowwater.trainer.sessions import (
     SessionError,
     SessionStore,
     UnknownSession,
+    check_export_options,
 )
 from lowwater.trajectory import Trajectory, Turn
 
@@ -128,7 +130,7 @@ class Admin:
 
     async def _open_rollout(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw = await read_body(scope, receive, OPTIONS_MAX_BYTES)
-        options = parse_json(raw) if raw.strip() else {}
+        options = parse_json(raw, max_depth=MAX_JSON_DEPTH) if raw.strip() else {}
         await send_json(send, 200, self.open(options, _host(scope)))
 
     async def _close_rollout(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -141,7 +143,7 @@ class Admin:
     async def _set_reward(self, scope: Scope, receive: Receive, send: Send) -> None:
         store = self._sessions_on()
         session_id = _id(scope["path_params"]["session_id"], "session id")
-        body = parse_json(await read_body(scope, receive, OPTIONS_MAX_BYTES))
+        body = parse_json(await read_body(scope, receive, OPTIONS_MAX_BYTES), max_depth=MAX_JSON_DEPTH)
         if not isinstance(body, dict) or "reward" not in body:
             raise HTTPError(400, 'body must be {"reward": NUMBER}')
         with session_errors():
@@ -150,7 +152,7 @@ class Admin:
 
     async def _export(self, scope: Scope, receive: Receive, send: Send) -> None:
         store = self._sessions_on()
-        body = parse_json(await read_body(scope, receive, EXPORT_MAX_BYTES))
+        body = parse_json(await read_body(scope, receive, EXPORT_MAX_BYTES), max_depth=MAX_JSON_DEPTH)
         if (
             not isinstance(body, dict)
             or not isinstance(body.get("session_ids"), list)
@@ -159,10 +161,14 @@ class Admin:
             raise HTTPError(400, 'body must be {"session_ids": [STRING, ...], "discount"?, "style"?}')
         for session_id in body["session_ids"]:
             _id(session_id, "each of session_ids")
+        discount, style = body.get("discount", 1.0), body.get("style", "individual")
         with session_errors():
-            records = store.export(body["session_ids"], body.get("discount", 1.0), body.get("style", "individual"))
-        # Exported sessions' interactions can be large: serialised off the loop.
-        payload = await trio.to_thread.run_sync(_dumps, {"records": records})
+            check_export_options(discount, style)
+            # Exported sessions' interactions can be large: encoded off the
+            # loop, session by session; one that cannot be encoded stays in
+            # the store and is named in "failed", the others are exported.
+            result = await trio.to_thread.run_sync(store.export_encoded, body["session_ids"], discount, style)
+        payload = b'{"records":[%s],"failed":%s}' % (b",".join(result.records), _dumps(result.failed))
         await send_bytes(send, 200, payload, "application/json")
 
     def _sessions_on(self) -> SessionStore:
@@ -215,37 +221,57 @@ class Admin:
 
         Raises:
             HTTPError: 404 if no such rollout is open; 500 if the line could
-                not be written (the trajectory is evicted all the same).
+                not be written (the trajectory is evicted all the same), or
+                if the trajectory could not be encoded (a line with the
+                error and the rollout's ids is written in its place).  The
+                reason names the rollout.  Nothing else is raised: each
+                close is on its own (shutdown and the stale pass go on to
+                the next rollout).
         """
         trajectory = self.trajectories.get(rollout_id)
         if trajectory is None:
             raise HTTPError(404, f"no open rollout {rollout_id}")
         turns = len(trajectory.turns)
         swept = self.server.unregister(rollout_id)
+        problem: str | None = None
         # Shielded: a client that gives up on the DELETE must not leave the
         # trajectory half-closed (unregistered but never written or evicted).
         with trio.CancelScope(shield=True):
             try:
                 async with self._write_lock:
-                    await trio.to_thread.run_sync(_append_line, self.out_file, trajectory)
+                    problem = await trio.to_thread.run_sync(_append_line, self.out_file, trajectory)
                 self.written += 1
             except OSError as exc:
                 log.error("rollout %s: writing its trajectory failed: %s", rollout_id, exc)
-                raise HTTPError(500, f"could not write the trajectory: {exc}") from None
+                raise HTTPError(500, f"rollout {rollout_id}: could not write its trajectory: {exc}") from None
+            except Exception as exc:  # a bug, not the rollout's: reported, never a bare 500
+                log.exception("rollout %s: writing its trajectory failed", rollout_id)
+                raise HTTPError(500, f"rollout {rollout_id}: could not write its trajectory: {exc!r}") from None
             finally:
                 del self.trajectories[rollout_id]  # evicted on every path
                 self._dirty.set()
+        if problem is not None:
+            log.error(
+                "rollout %s: its trajectory could not be encoded (%s); wrote the error instead", rollout_id, problem
+            )
+            raise HTTPError(
+                500,
+                f"rollout {rollout_id}: its trajectory could not be encoded ({problem}); "
+                "a line with this error was written in its place",
+            )
         return {"rollout_id": rollout_id, "turns": turns, "swept": swept}
 
     async def close_all(self) -> int:
-        """Close every open rollout (at shutdown); returns how many were written."""
+        """Close every open rollout (at shutdown), each on its own; returns how many
+        were written.  A rollout that fails is logged with its reason and the
+        next one is closed."""
         written = 0
         for rollout_id in list(self.trajectories):
             try:
                 await self.close(rollout_id)
                 written += 1
-            except HTTPError:
-                pass
+            except HTTPError as exc:
+                log.error("shutdown: %s", exc.reason)
         return written
 
     def _on_turn(self, trajectory: Trajectory, turn: Turn) -> None:
@@ -380,8 +406,32 @@ def _host(scope: Scope) -> str | None:
     return None
 
 
-def _append_line(path: Path, trajectory: Trajectory) -> None:
-    """Serialise and append one JSON line (runs in a worker thread: large dumps must not stall the loop)."""
-    line = orjson.dumps(trajectory.to_json(), option=orjson.OPT_NON_STR_KEYS) + b"\n"
+def _append_line(path: Path, trajectory: Trajectory) -> str | None:
+    """Serialise and append one JSON line (runs in a worker thread: large dumps must not stall the loop).
+
+    Returns ``None``, or why the trajectory could not be encoded: then a line
+    with its ids and that error is written instead, so the rollout is never
+    missing from the file.
+    """
+    line, problem = encode_trajectory(trajectory)
     with open(path, "ab") as f:
         f.write(line)
+    return problem
+
+
+def encode_trajectory(trajectory: Trajectory) -> tuple[bytes, str | None]:
+    """``(line, None)``: the trajectory as one JSON line; or ``(error line, reason)``
+    when it cannot be encoded (intake refuses what orjson cannot write, so
+    this is a bug's trace, not an agent's doing)."""
+    try:
+        return orjson.dumps(trajectory.to_json(), option=orjson.OPT_NON_STR_KEYS) + b"\n", None
+    except Exception as exc:  # orjson.JSONEncodeError is a TypeError: nesting, an unknown type
+        problem = f"{type(exc).__name__}: {exc}"
+    stub = {
+        "rollout_id": trajectory.rollout_id,
+        "task_id": trajectory.task_id,
+        "group_id": trajectory.group_id,
+        "turns": None,
+        "error": f"the trajectory could not be encoded: {problem}",
+    }
+    return orjson.dumps(stub, default=repr) + b"\n", problem

@@ -42,6 +42,7 @@ import trio
 
 from lowwater._native import BufferFull, InterceptTable, RolloutClosed
 from lowwater.http import (
+    MAX_JSON_DEPTH,
     App,
     HTTPError,
     Receive,
@@ -49,6 +50,7 @@ from lowwater.http import (
     Scope,
     Send,
     lifespan,
+    nests_deeper,
     parse_json,
     read_body,
     request_keys,
@@ -60,6 +62,7 @@ from lowwater.http import (
 )
 from lowwater.http.routes import normalise
 from lowwater.interception.protocols import Completion, Protocol, builtin_protocols
+from lowwater.interception.sampling import apply as apply_sampling
 from lowwater.interception.slots import Slot, SlotRegistry, new_secret
 from lowwater.interception.sse import SSEParser
 from lowwater.trajectory import Trajectory, Turn
@@ -84,6 +87,8 @@ BACKLOG = 4096
 # answered (found as a hung ``lowwater eval``).  A client that reads nothing
 # for this long is cut off instead.
 SEND_TIMEOUT_S = 60.0
+# The recorded answer fields are checked inside one list: one level more.
+_ANSWER_DEPTH = MAX_JSON_DEPTH + 1
 
 
 class InterceptionServer:
@@ -137,6 +142,9 @@ class InterceptionServer:
         self.table = table if table is not None else InterceptTable()
         self.max_body_bytes = max_body_bytes
         self.request_logprobs = request_logprobs
+        #: Sampling arguments added to every forwarded call; the agent's own keys win
+        #: (:mod:`lowwater.interception.sampling`).
+        self.sampling: dict[str, Any] = {}
         self.routes: dict[str, Protocol] = {}
         self._router = Router(error_body=self._error_body)
         self._router.add("GET", "/v1/models", self._models)
@@ -309,14 +317,24 @@ class InterceptionServer:
         return found
 
     def _parse(self, scope: Scope, protocol: Protocol, slot: Slot, body: bytes | bytearray) -> _Call:
-        """Decode and validate ``body``; :class:`HTTPError` 400 naming the problem."""
-        payload = parse_json(body)
+        """Decode and validate ``body``; :class:`HTTPError` 400 naming the problem.
+
+        A body nesting deeper than :data:`~lowwater.http.MAX_JSON_DEPTH` is
+        refused here: its turn could not be written out later.
+        """
+        payload = parse_json(body, max_depth=MAX_JSON_DEPTH)
         request = protocol.parse(payload)
         rewritten = (
             protocol.upstream_body(payload, model=slot.upstream.model, logprobs=self.request_logprobs)
             if isinstance(payload, dict)
             else None
         )
+        try:
+            forward = orjson.dumps(rewritten) if rewritten is not None else None
+        except orjson.JSONEncodeError as exc:  # a protocol plugin's rewrite, past what was checked
+            raise HTTPError(400, f"the request cannot be re-encoded for the upstream: {exc}") from None
+        if self.sampling and isinstance(payload, dict):
+            rewritten = apply_sampling(protocol.name, rewritten or payload, self.sampling) or rewritten
         headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in _FORWARD_HEADERS}
         return _Call(
             f"{self._id_prefix}-{next(self._ids)}",
@@ -325,7 +343,7 @@ class InterceptionServer:
             request.model,
             request.stream,
             request.messages,
-            orjson.dumps(rewritten) if rewritten is not None else None,
+            forward,
             headers,
         )
 
@@ -415,8 +433,15 @@ class InterceptionServer:
         if call.recorded or call.slot.closed:
             return  # a closed rollout's trajectory is no longer ours to write
         call.recorded = True
-        call.error = error
         done = done or Completion()
+        if nests_deeper(
+            [done.completion, done.finish_reason, done.usage, done.token_ids, done.logprobs], _ANSWER_DEPTH
+        ):
+            # An upstream answer nesting past the limit could not be written
+            # with the trajectory: the turn keeps the error, not the answer.
+            done = Completion()
+            error = error or f"upstream answer nests deeper than {MAX_JSON_DEPTH} levels; not recorded"
+        call.error = error
         trajectory = call.slot.trajectory
         trajectory.add_turn(
             Turn(

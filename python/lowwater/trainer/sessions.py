@@ -127,6 +127,23 @@ class Session:
 
 
 @attrs.frozen
+class ExportResult:
+    """One export.
+
+    Attributes:
+        records: the exported records (dicts, or JSON bytes from
+            :meth:`SessionStore.export_encoded`), in the order of the ids.
+        exported: the sessions exported (and removed).
+        failed: session id -> why its records could not be encoded (the
+            session is back in the store).
+    """
+
+    records: list[Any]
+    exported: tuple[str, ...]
+    failed: dict[str, str]
+
+
+@attrs.frozen
 class CleanupReport:
     """One cleanup pass: sessions removed, files written, failures (never raised)."""
 
@@ -264,33 +281,67 @@ class SessionStore:
 
         ``individual``: one record per interaction, with its discounted reward.
         ``concat``: one record per session: the interactions in order, their
-        token ids and logprobs concatenated, and the reward.
+        token ids and logprobs concatenated, and the reward.  An id given
+        twice is exported once.
 
         Raises:
             UnknownSession: an id is unknown (nothing is removed then).
             SessionConflict: a session is not ready (nothing is removed then).
-            ValueError: ``discount`` not in (0, 1] or an unknown ``style``.
+            ValueError: ``discount`` not a number in (0, 1] or an unknown ``style``.
         """
-        if not (0 < discount <= 1):
-            raise ValueError(f"discount must be in (0, 1], got {discount!r}")
-        if style not in ("individual", "concat"):
-            raise ValueError(f"style must be 'individual' or 'concat', got {style!r}")
+        return self._export(session_ids, discount, style, _same).records
+
+    def export_encoded(
+        self, session_ids: Sequence[str], discount: float = 1.0, style: ExportStyle = "individual"
+    ) -> ExportResult:
+        """:meth:`export`, each record encoded as JSON (orjson bytes), session by session.
+
+        A session whose records cannot be encoded is put back in the store
+        and named in ``failed``; the others are exported and removed.  So the
+        sessions removed are exactly those whose records are returned (a
+        bad one used to make the whole export fail after every named session
+        had been removed).  Blocking (encoding is CPU work): run it in a
+        thread.
+
+        Raises:
+            UnknownSession, SessionConflict, ValueError: as :meth:`export`
+                (nothing is removed then).
+        """
+        return self._export(session_ids, discount, style, _encode)
+
+    def _export(
+        self, session_ids: Sequence[str], discount: float, style: ExportStyle, convert: Callable[[Any], Any]
+    ) -> ExportResult:
+        check_export_options(discount, style)
         with self._lock:
-            sessions = []
+            sessions: dict[str, Session] = {}
             for sid in session_ids:
                 s = self._sessions.get(sid)
                 if s is None:
                     raise UnknownSession(f"session {sid!r} is unknown")
                 if not s.ready:
                     raise SessionConflict(f"session {sid!r} is not ready")
-                sessions.append(s)
-            for s in sessions:
+                sessions[sid] = s
+            # Out of the store while they are encoded: a cleanup pass cannot
+            # dump one that is being exported.
+            for s in sessions.values():
                 self._remove_locked(s)
-        out: list[dict[str, Any]] = []
-        for s in sessions:
-            out.extend(_export_one(s.snapshot(), discount, style))
+        records: list[Any] = []
+        exported: list[str] = []
+        failed: dict[str, str] = {}
+        for sid, s in sessions.items():
+            try:
+                converted = [convert(r) for r in _export_one(s.snapshot(), discount, style)]
+            except Exception as exc:  # one session's failure is its own (reported, kept)
+                failed[sid] = f"{type(exc).__name__}: {exc}"
+                if not self._restore(s):
+                    failed[sid] += "; the session could not be put back (its id or key was taken meanwhile)"
+                log.error("exporting session %s failed: %s", sid, failed[sid])
+                continue
+            records.extend(converted)
+            exported.append(sid)
             self._free(s)
-        return out
+        return ExportResult(records, tuple(exported), failed)
 
     def __len__(self) -> int:
         with self._lock:
@@ -386,6 +437,15 @@ class SessionStore:
         del self._sessions[s.session_id]
         self._by_key.pop(s.api_key, None)
 
+    def _restore(self, s: Session) -> bool:
+        """Put a removed session back unless its id or key was taken since; True if it was."""
+        with self._lock:
+            if s.session_id in self._sessions or s.api_key in self._by_key:
+                return False
+            self._sessions[s.session_id] = s
+            self._by_key[s.api_key] = s
+            return True
+
     def _free(self, s: Session) -> int:
         with s.lock:
             ids = sorted(s.shard_ids)
@@ -394,6 +454,27 @@ class SessionStore:
         if ids and self._free_shards is not None:
             return self._free_shards(ids)
         return 0
+
+
+def check_export_options(discount: Any, style: Any) -> None:
+    """Refuse export options :meth:`SessionStore.export` cannot use.
+
+    Raises:
+        ValueError: ``discount`` is not a real number (``bool`` included) in
+            (0, 1], or ``style`` is not ``"individual"`` or ``"concat"``.
+    """
+    if isinstance(discount, bool) or not isinstance(discount, (int, float)) or not (0 < discount <= 1):
+        raise ValueError(f"discount must be a number in (0, 1], got {discount!r}")
+    if not isinstance(style, str) or style not in ("individual", "concat"):
+        raise ValueError(f"style must be 'individual' or 'concat', got {style!r}")
+
+
+def _same(record: Any) -> Any:
+    return record
+
+
+def _encode(record: Any) -> bytes:
+    return orjson.dumps(record, option=orjson.OPT_NON_STR_KEYS)
 
 
 def _export_one(snap: dict[str, Any], discount: float, style: ExportStyle) -> list[dict[str, Any]]:
