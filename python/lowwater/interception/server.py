@@ -329,12 +329,12 @@ class InterceptionServer:
             if isinstance(payload, dict)
             else None
         )
+        if self.sampling and isinstance(payload, dict):
+            rewritten = apply_sampling(protocol.name, rewritten or payload, self.sampling) or rewritten
         try:
             forward = orjson.dumps(rewritten) if rewritten is not None else None
         except orjson.JSONEncodeError as exc:  # a protocol plugin's rewrite, past what was checked
             raise HTTPError(400, f"the request cannot be re-encoded for the upstream: {exc}") from None
-        if self.sampling and isinstance(payload, dict):
-            rewritten = apply_sampling(protocol.name, rewritten or payload, self.sampling) or rewritten
         headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in _FORWARD_HEADERS}
         return _Call(
             f"{self._id_prefix}-{next(self._ids)}",
