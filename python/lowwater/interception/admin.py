@@ -42,6 +42,7 @@ from lowwater.http import (
 )
 from lowwater.ids import check_id
 from lowwater.interception.server import InterceptionServer
+from lowwater.jsonl import LineFile
 from lowwater.memory import Trimmer, rss_bytes
 from lowwater.trainer.sessions import (
     CleanupReport,
@@ -94,6 +95,10 @@ class Admin:
         # at the proxy before its dump is written (docs/design.md#vocabulary: session).
         self.store = SessionStore(sessions, revoke=server.unregister) if sessions is not None else None
         self.out_file = out_file
+        # Whole lines or nothing, mode 0600 (lowwater.jsonl): a failed append
+        # on a full disk used to leave a partial line that the next rollout's
+        # line was appended to, so a good rollout became unparseable.
+        self.out = LineFile(out_file)
         self.admin_key = admin_key
         self.trajectories: dict[str, _SessionTrajectory] = {}
         self.written = 0
@@ -220,8 +225,9 @@ class Admin:
         ``{"rollout_id", "turns", "swept"}``.
 
         Raises:
-            HTTPError: 404 if no such rollout is open; 500 if the line could
-                not be written (the trajectory is evicted all the same), or
+            HTTPError: 404 if no such rollout is open; 507 if the line could
+                not be written (a full disk: the file is left with whole
+                lines only, and the trajectory is evicted all the same); 500
                 if the trajectory could not be encoded (a line with the
                 error and the rollout's ids is written in its place).  The
                 reason names the rollout.  Nothing else is raised: each
@@ -239,11 +245,11 @@ class Admin:
         with trio.CancelScope(shield=True):
             try:
                 async with self._write_lock:
-                    problem = await trio.to_thread.run_sync(_append_line, self.out_file, trajectory)
+                    problem = await trio.to_thread.run_sync(_append_line, self.out, trajectory)
                 self.written += 1
-            except OSError as exc:
+            except OSError as exc:  # LineWriteError: nothing of the line is left in the file
                 log.error("rollout %s: writing its trajectory failed: %s", rollout_id, exc)
-                raise HTTPError(500, f"rollout {rollout_id}: could not write its trajectory: {exc}") from None
+                raise HTTPError(507, f"rollout {rollout_id}: could not write its trajectory: {exc}") from None
             except Exception as exc:  # a bug, not the rollout's: reported, never a bare 500
                 log.exception("rollout %s: writing its trajectory failed", rollout_id)
                 raise HTTPError(500, f"rollout {rollout_id}: could not write its trajectory: {exc!r}") from None
@@ -260,6 +266,10 @@ class Admin:
                 "a line with this error was written in its place",
             )
         return {"rollout_id": rollout_id, "turns": turns, "swept": swept}
+
+    def close_file(self) -> None:
+        """Flush and close the trajectories file (after :meth:`close_all`, at shutdown)."""
+        self.out.close()
 
     async def close_all(self) -> int:
         """Close every open rollout (at shutdown), each on its own; returns how many
@@ -406,16 +416,19 @@ def _host(scope: Scope) -> str | None:
     return None
 
 
-def _append_line(path: Path, trajectory: Trajectory) -> str | None:
+def _append_line(out: LineFile, trajectory: Trajectory) -> str | None:
     """Serialise and append one JSON line (runs in a worker thread: large dumps must not stall the loop).
 
     Returns ``None``, or why the trajectory could not be encoded: then a line
     with its ids and that error is written instead, so the rollout is never
     missing from the file.
+
+    Raises:
+        lowwater.jsonl.LineWriteError: the line could not be appended (the
+            file keeps its whole lines only).
     """
     line, problem = encode_trajectory(trajectory)
-    with open(path, "ab") as f:
-        f.write(line)
+    out.append(line)
     return problem
 
 

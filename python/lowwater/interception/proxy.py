@@ -16,8 +16,10 @@ otherwise):
   409 if the id is open already.
 * ``DELETE /lowwater/rollouts/{id}`` — close it: sweep its undelivered
   calls (their agents get 410 at once), append its trajectory as one JSON
-  line to ``OUT/trajectories.jsonl`` (off the event loop), then evict it.
-  Answers ``{"rollout_id", "turns", "swept"}``; 404 if unknown.
+  line to ``OUT/trajectories.jsonl`` (off the event loop; mode 0600, whole
+  lines or nothing), then evict it.  Answers ``{"rollout_id", "turns",
+  "swept"}``; 404 if unknown; 507 if the line could not be written (a full
+  disk: the file keeps only whole lines; the reason names the rollout).
 * ``GET /lowwater/rollouts`` — the open rollout ids.
 * ``POST /lowwater/sessions/{id}/reward`` — body ``{"reward": R}``: the
   rollout's session becomes ready (idempotent; 409 for a different reward,
@@ -135,6 +137,7 @@ async def serve_proxy(config: ProxyConfig, *, task_status: trio.TaskStatus[str] 
                 written = await admin.close_all()
                 if written:
                     log.warning("shutdown: wrote %d rollouts that were still open", written)
+            admin.close_file()
 
 
 def raise_open_file_limit() -> int:
