@@ -95,6 +95,19 @@ def register_cleanup_policies(register: Callable[[str, Any], None]) -> None:
     """
 
 
+@hookspec
+def register_backends(register: Callable[[str, Any], None]) -> None:
+    """Provide worker backends: where a job's tasks run.
+
+    Call ``register(name, factory)`` where ``factory(options:
+    lowwater.workers.backend.BackendOptions)`` returns a
+    :class:`lowwater.workers.backend.WorkerBackend`.  ``lowwater eval
+    --backend NAME`` and ``TrainerConfig(backend=NAME)`` look it up.
+    Built in: ``"local"`` (the :class:`lowwater.workers.WorkerPool` on this
+    machine).
+    """
+
+
 # --- lifecycle hooks (async) -------------------------------------------------
 
 

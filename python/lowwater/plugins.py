@@ -116,6 +116,7 @@ class Plugins:
         protocols: protocol name -> protocol object (``register_protocols``).
         environments: environment name -> factory (``register_environments``).
         cleanup_policies: policy name -> policy object (``register_cleanup_policies``).
+        backends: worker backend name -> factory (``register_backends``).
         infos: the loaded plugins, in load order.
         failures: plugins skipped because they failed to load or validate.
     """
@@ -127,6 +128,7 @@ class Plugins:
         self.protocols: dict[str, Any] = {}
         self.environments: dict[str, Any] = {}
         self.cleanup_policies: dict[str, Any] = {}
+        self.backends: dict[str, Any] = {}
         self.infos: list[PluginInfo] = []
         self.failures: list[PluginFailure] = []
         self._owners: dict[tuple[str, str], str] = {}
@@ -197,6 +199,7 @@ class Plugins:
         self._collect("register_protocols", self.protocols, keyed=False)
         self._collect("register_environments", self.environments, keyed=True)
         self._collect("register_cleanup_policies", self.cleanup_policies, keyed=True)
+        self._collect("register_backends", self.backends, keyed=True)
 
     def _collect(self, hook: str, into: dict[str, Any], *, keyed: bool) -> None:
         kind = hook.removeprefix("register_")
@@ -226,6 +229,9 @@ class Plugins:
 
     def environment(self, name: str) -> Any:
         return self._lookup(self.environments, "environment", name)
+
+    def backend(self, name: str) -> Any:
+        return self._lookup(self.backends, "backend", name)
 
     @staticmethod
     def _lookup(table: dict[str, Any], kind: str, name: str) -> Any:

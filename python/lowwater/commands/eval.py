@@ -58,6 +58,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--workers", type=int, default=0, help="env worker processes (default 0: every rollout in this process)"
     )
     p.add_argument(
+        "--backend",
+        default="local",
+        metavar="NAME",
+        help="where the --workers run: local (this machine, the default) or a plugin's backend such as ray "
+        "(--workers per node; see `lowwater plugins`)",
+    )
+    p.add_argument("--address", help="the cluster the backend joins (ray: auto or HOST:PORT)")
+    p.add_argument(
         "--max-tasks-per-worker",
         type=int,
         default=500,
@@ -118,6 +126,8 @@ def build_config(args: argparse.Namespace) -> Any:
             max_attempts=args.max_attempts,
             seed=args.seed,
             workers=args.workers,
+            backend=args.backend,
+            address=args.address,
             max_tasks_per_worker=args.max_tasks_per_worker,
             max_rss_mb=args.max_rss_mb,
             high_water_mb=args.high_water_mb,

@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
         "protocols": sorted(plugins.protocols),
         "environments": sorted(plugins.environments),
         "cleanup_policies": sorted(plugins.cleanup_policies),
+        "backends": sorted(plugins.backends),
     }
     if args.json:
         print(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(p["name"], p["dist"], p["version"], ", ".join(p["hooks"]))
     console = Console()
     console.print(table)
-    for kind in ("runtimes", "protocols", "environments", "cleanup_policies"):
+    for kind in ("runtimes", "protocols", "environments", "cleanup_policies", "backends"):
         console.print(f"{kind.replace('_', ' ')}: {', '.join(data[kind]) or 'none'}")
     for f in data["failed"]:
         console.print(f"[red]failed[/red] {f['name']} ({f['dist'] or 'no distribution'}): {f['reason']}")

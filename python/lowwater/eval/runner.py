@@ -74,6 +74,11 @@ class EvalConfig:
         max_tasks_per_worker, max_rss_mb, high_water_mb: recycling and
             admission settings of the worker pool (see
             :class:`lowwater.workers.WorkerPool`).
+        backend: the worker backend the workers run on (``--backend``;
+            ``register_backends``): ``"local"`` (this machine) or a
+            plugin's (``"ray"``: ``workers`` per node).
+        address: the cluster the backend joins (``--address``; ``ray``:
+            ``auto`` or ``HOST:PORT``).
         pass_env: host variables passed to agent programs and scripts beyond
             the runtime's allow-list (``--pass-env``).
 
@@ -97,12 +102,19 @@ class EvalConfig:
     seed: int = 0
     tick_s: float = attrs.field(default=1.0, validator=v.positive("tick", "seconds"))
     workers: int = attrs.field(default=0, validator=v.at_least(0))
+    backend: str = attrs.field(default="local")
+    address: str | None = None
     max_tasks_per_worker: int | None = attrs.field(
         default=500, validator=v.optional(v.at_least(1, "max-tasks-per-worker"))
     )
     max_rss_mb: float | None = attrs.field(default=None, validator=v.optional(v.positive("max-rss-mb")))
     high_water_mb: float | None = attrs.field(default=None, validator=v.optional(v.positive("high-water-mb")))
     pass_env: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+    @backend.validator
+    def _check_backend(self, _attribute: Any, value: str) -> None:
+        if value != "local" and self.workers < 1:
+            raise ValueError(f"--backend {value} runs env workers: give --workers K (worker processes per node)")
 
     def engine(self) -> EngineConfig:
         """The settings that define this run's engines (here or in each worker)."""
@@ -230,6 +242,8 @@ async def run_eval(
     """
     plugins = plugins or plugins_mod.load()
     env: Environment = plugins.environment(config.env)(config.env_options)
+    if config.workers:
+        plugins.backend(config.backend)  # an unknown --backend fails before anything starts
     run_id = uuid.uuid4().hex[:12]
     header = {
         "type": "lowwater.eval.header",
@@ -267,7 +281,9 @@ async def run_eval(
     try:
         async with model_server(config.model) as upstream_url:
             if config.workers:
-                pool_report = await _run_pooled(config, env, upstream_url, feed, record, totals, write, on_progress)
+                pool_report = await _run_pooled(
+                    config, env, upstream_url, feed, record, totals, write, on_progress, plugins=plugins
+                )
                 leftovers = {}
             else:
                 leftovers = await _run_here(
@@ -338,19 +354,23 @@ async def _run_pooled(
     totals: Totals,
     write: Any,
     on_progress: Any,
+    *,
+    plugins: plugins_mod.Plugins,
 ) -> dict[str, Any]:
-    """Every task in ``config.workers`` env worker processes; returns the
-    pool's report.  The parent keeps task ids only; a task whose worker
+    """Every task in ``config.workers`` env worker processes (per node, on a
+    multi-node backend) of ``config.backend``; returns the pool's report.
+    The parent keeps task ids only; a task whose worker (or node pool)
     died is re-run from its id and its rows say how many attempts it took.
     The memory record samples this (parent) process, so baseline, peak and
     resting compare like with like; workers' RSS is in the pool report
     (``worker_rss_peak_mb``, ``pool_rss_peak_mb``)."""
-    from lowwater.workers import JobSpec, WorkerPool
+    from lowwater.workers import JobSpec, PoolConfig
+    from lowwater.workers.backend import BackendOptions, open_backend
 
+    backend = open_backend(plugins, config.backend, BackendOptions(config.address))
     per_worker = max(1, -(-config.concurrency // (config.group_size * config.workers)))
     spec = JobSpec("lowwater.eval.job:make_job", {"config": config.engine().to_json(), "upstream_url": upstream_url})
-    pool = WorkerPool(
-        spec,
+    pool_config = PoolConfig(
         workers=config.workers,
         concurrency_per_worker=per_worker,
         max_tasks_per_worker=config.max_tasks_per_worker,
@@ -360,6 +380,7 @@ async def _run_pooled(
         seed=config.seed,
         preload=("lowwater.eval.job",),
     )
+    pool = backend.pool(spec, pool_config)
 
     async def on_rows(rows: list[dict[str, Any]], info: Any) -> None:
         if len(rows) == 1 and "rollout_id" not in rows[0]:

@@ -37,7 +37,7 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import attrs
@@ -58,6 +58,7 @@ from lowwater.workers.contract import (
 from lowwater.workers.launcher import LEAN_PRELOAD, check_python, configure_forkserver
 from lowwater.workers.protocol import encode
 from lowwater.workers.record import WorkerRecord, WorkerState
+from lowwater.workers.stream import TaskAttempt
 from lowwater.workers.supervision import WorkerSupervision
 
 log = logging.getLogger("lowwater.workers")
@@ -75,6 +76,10 @@ class WorkerPool(WorkerSupervision):
             ``started``, ``ready``, ``dispatch``, ``retiring``, ``exit_sent``,
             ``killed``, ``reaped``, ``worker_held``, ``worker_released``,
             ``pool_held``, ``pool_released``, ``retry``, ``failed``.
+        pin_by: ``pin_by(task_id)`` names what a finished task's worker must
+            outlive (a trainer step whose shards it produced), or ``None``;
+            a retiring worker holding such a pin does not exit until
+            :meth:`unpin` releases it (the run's end releases everything).
         **kwargs: :class:`PoolConfig` fields (``workers=4, max_rss_mb=...``);
             with ``config``, they override its values.
 
@@ -90,6 +95,7 @@ class WorkerPool(WorkerSupervision):
         config: PoolConfig | None = None,
         *,
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
+        pin_by: Callable[[Any], Hashable | None] | None = None,
         **kwargs: Any,
     ) -> None:
         if config is None:
@@ -99,6 +105,9 @@ class WorkerPool(WorkerSupervision):
         self.spec = spec
         self.config = config
         self.on_event = on_event
+        self.pin_by = pin_by
+        self._pins: dict[int, set[Hashable]] = {}
+        self._feeder: _Feeder | None = None
         self.allocator = (
             allocator_mod.resolve(config.malloc_arena_max, config.malloc_trim_threshold)
             if config.allocator_hygiene
@@ -122,14 +131,18 @@ class WorkerPool(WorkerSupervision):
 
     async def run(
         self,
-        task_ids: Iterable[Any],
+        task_ids: Iterable[Any] | AsyncIterable[Any],
         on_rows: Callable[[list[dict[str, Any]], TaskInfo], Awaitable[None]],
     ) -> PoolReport:
         """Run every task of ``task_ids`` once and hand its rows to ``on_rows``.
 
         Task ids must be JSON scalars (str or int) or other JSON-able values;
         they are pulled lazily, only when a worker slot is free and admission
-        allows.  ``on_rows(rows, info)`` is awaited once per task, one call
+        allows.  ``task_ids`` may be an async iterable (a
+        :class:`~lowwater.workers.stream.TaskStream` fed over time): the pool
+        then serves until it ends, keeping its workers between ids.  An item
+        that is a :class:`~lowwater.workers.stream.TaskAttempt` runs at that
+        attempt.  ``on_rows(rows, info)`` is awaited once per task, one call
         at a time, in completion order; exactly one call per task id
         (re-runs after a worker death are flagged ``info.retried``).
         Workers are started on entry and stopped before return.
@@ -160,13 +173,26 @@ class WorkerPool(WorkerSupervision):
         started = time.perf_counter()
         # Peek one id so an empty run (a resumed eval with nothing left)
         # starts no worker; every later id is pulled only when a slot is free.
-        it = iter(task_ids)
-        try:
-            first = next(it)
-        except StopIteration:
-            self._running = False
-            return self._finish_report()
-        tasks = itertools.chain([first], it)
+        tasks: Iterator[Any]
+        if isinstance(task_ids, AsyncIterable):
+            feeder = _Feeder(aiter(task_ids), self._notify)
+            try:
+                empty = not await feeder.peek()
+            except BaseException:
+                self._running = False
+                raise
+            if empty:
+                self._running = False
+                return self._finish_report()
+            self._feeder, tasks = feeder, iter(())
+        else:
+            it = iter(task_ids)
+            try:
+                first = next(it)
+            except StopIteration:
+                self._running = False
+                return self._finish_report()
+            tasks = itertools.chain([first], it)
         configure_forkserver(self.config.preload)
         interrupted = False
         try:
@@ -174,6 +200,8 @@ class WorkerPool(WorkerSupervision):
                 self._nursery = nursery
                 self._service(self._supervise)
                 self._service(self._deliver)
+                if self._feeder is not None:
+                    self._service(self._feeder.run)
                 clean = False
                 try:
                     with trio.CancelScope() as self._main_scope:
@@ -207,6 +235,8 @@ class WorkerPool(WorkerSupervision):
                 raise
         finally:
             self._running = False
+            self._feeder = None
+            self._pins.clear()
             self._report.wall_s = round(time.perf_counter() - started, 6)
         if interrupted:
             raise KeyboardInterrupt from None
@@ -233,6 +263,7 @@ class WorkerPool(WorkerSupervision):
                 "max_tasks": w.max_tasks,
                 "max_rss_mb": None if w.max_rss is None else round(w.max_rss / MIB, 2),
                 "held": self.admission.worker_held(w.wid),
+                "pinned": sorted(map(str, self._pins.get(w.wid, ()))),
                 "idle": bool(w.hb.get("idle")) and not w.pending,
                 "settled": w.settled,
                 "lag_p50_ms": w.hb.get("lag_p50_ms"),
@@ -252,6 +283,35 @@ class WorkerPool(WorkerSupervision):
                 "undelivered": self._backlog,
             },
         }
+
+    def unpin(self, key: Hashable) -> int:
+        """Release ``key`` (see ``pin_by``) on every worker; a retiree left
+        without pins and without tasks exits (its replacement is ready).
+
+        Returns how many workers held it.
+        """
+        held = 0
+        for wid in list(self._pins):
+            keys = self._pins[wid]
+            if key in keys:
+                keys.discard(key)
+                held += 1
+            if not keys:
+                del self._pins[wid]
+        if held and self._running:
+            self._reconcile()
+        return held
+
+    def _pin(self, w: WorkerRecord, task_id: Any) -> None:
+        """Called as ``w`` delivers ``task_id``'s result: pin it if ``pin_by`` says so."""
+        if self.pin_by is None:
+            return
+        key = self.pin_by(task_id)
+        if key is not None:
+            self._pins.setdefault(w.wid, set()).add(key)
+
+    def _pinned(self, w: WorkerRecord) -> bool:
+        return bool(self._pins.get(w.wid))
 
     # -- run state --------------------------------------------------------------
 
@@ -398,12 +458,19 @@ class WorkerPool(WorkerSupervision):
             return self._retries.popleft()
         if self._exhausted:
             return None
-        try:
-            return next(it), 1
-        except StopIteration:
+        if self._feeder is not None:
+            item = self._feeder.take()
+            if item is _PENDING:
+                return None  # asked for; the feeder wakes the dispatcher when it arrives
+        else:
+            item = next(it, _END)
+        if item is _END:
             self._exhausted = True
             self._reconcile()
             return None
+        if isinstance(item, TaskAttempt):
+            return item.task_id, item.attempt
+        return item, 1
 
     def _finished(self) -> bool:
         return self._exhausted and not self._retries and self._in_flight() == 0 and self._backlog == 0
@@ -501,6 +568,50 @@ class WorkerPool(WorkerSupervision):
                 await self._changed(timeout=0.5)
         if self._alive:
             log.error("%d worker processes could not be reaped", self._alive)
+
+
+_PENDING: Any = object()
+_END: Any = object()
+
+
+class _Feeder:
+    """Pulls an async task source one id at a time, only when the
+    dispatcher asks (:meth:`take` found nothing), so an async source is as
+    lazy as a plain iterable: at most one id waits here."""
+
+    def __init__(self, source: AsyncIterator[Any], notify: Callable[[], None]) -> None:
+        self._source = source
+        self._notify = notify
+        self._item: Any = _PENDING
+        self._wanted = trio.Event()
+
+    async def peek(self) -> bool:
+        """Pull the first id; ``False`` if the source is empty."""
+        self._item = await self._pull()
+        return self._item is not _END
+
+    async def _pull(self) -> Any:
+        try:
+            return await anext(self._source)
+        except StopAsyncIteration:
+            return _END
+
+    def take(self) -> Any:
+        """The pulled id, :data:`_END`, or :data:`_PENDING` (and ask for one)."""
+        item = self._item
+        if item is _PENDING:
+            self._wanted.set()
+        elif item is not _END:
+            self._item = _PENDING
+        return item
+
+    async def run(self) -> None:
+        while self._item is not _END:
+            await self._wanted.wait()
+            self._wanted = trio.Event()
+            if self._item is _PENDING:
+                self._item = await self._pull()
+                self._notify()
 
 
 __all__ = [
