@@ -34,11 +34,17 @@ def args(tmp_path, *extra: str) -> argparse.Namespace:
 
 def test_flags_are_validated(tmp_path):
     config = config_from_args(args(tmp_path, "--listen", "127.0.0.1:0"), {})
-    assert (config.host, config.port, config.admin_key) == ("127.0.0.1", 0, None)
-    with pytest.raises(cli.UsageError, match="without an admin key: set LOWWATER_ADMIN_KEY"):
-        config_from_args(args(tmp_path, "--listen", "0.0.0.0:8700"), {})
+    # No key given: one is generated at start (admin authentication is on by default).
+    assert (config.host, config.port, config.admin_key, config.admin_auth) == ("127.0.0.1", 0, None, True)
+    assert config_from_args(args(tmp_path, "--listen", "0.0.0.0:8700"), {}).admin_auth
+    with pytest.raises(cli.UsageError, match="refusing to listen on 0.0.0.0 with --no-admin-auth"):
+        config_from_args(args(tmp_path, "--listen", "0.0.0.0:8700", "--no-admin-auth"), {})
+    config = config_from_args(args(tmp_path, "--no-admin-auth"), {"LOWWATER_ADMIN_KEY": "ignored"})
+    assert (config.admin_key, config.admin_auth) == (None, False)
     config = config_from_args(args(tmp_path, "--listen", "0.0.0.0:8700", "--admin-key-env", "K"), {"K": "s3cret"})
     assert config.admin_key == "s3cret" and config.host == "0.0.0.0"
+    config = config_from_args(args(tmp_path, "--admin-key-file", str(tmp_path / "k" / "proxy.key")), {})
+    assert config.admin_key_file == tmp_path / "k" / "proxy.key"
     assert config_from_args(args(tmp_path, "--listen", "[::1]:5"), {}).host == "::1"
     assert config_from_args(args(tmp_path, "--listen", "localhost:5"), {}).host == "localhost"
     for bad, match in (
@@ -49,6 +55,7 @@ def test_flags_are_validated(tmp_path):
         (["--retries", "-1"], "retries"),
         (["--max-concurrency", "0"], "max-concurrency"),
         (["--out", "/proc/nope"], "--out"),
+        (["--admin-key-file", "/proc/nope/k"], "--admin-key-file"),
     ):
         with pytest.raises(cli.UsageError, match=match):
             config_from_args(args(tmp_path, *bad), {})
@@ -57,7 +64,8 @@ def test_flags_are_validated(tmp_path):
 def test_cli_reports_usage_errors(tmp_path, monkeypatch, capsys):
     assert "lowwater.commands.proxy" in cli.SUBCOMMANDS
     monkeypatch.delenv("LOWWATER_ADMIN_KEY", raising=False)
-    code = cli.main(["proxy", "--upstream", "http://127.0.0.1:1/v1", "--listen", "10.0.0.1:80", "--out", str(tmp_path)])
+    argv = ["proxy", "--upstream", "http://127.0.0.1:1/v1", "--listen", "10.0.0.1:80", "--out", str(tmp_path)]
+    code = cli.main([*argv, "--no-admin-auth"])
     assert code == 2 and "refusing to listen on 10.0.0.1" in capsys.readouterr().err
 
 
@@ -159,6 +167,7 @@ def test_admin_key_is_checked_before_the_route_table_answers(tmp_path):
 def test_delete_resolves_a_waiting_call(tmp_path):
     async def fn(url, http, upstream):
         upstream.hang = True
+        http.headers["x-api-key"] = "adm"
         opened = (await http.post(f"{url}/lowwater/rollouts", json={"rollout_id": "w"})).json()
         result = {}
 
@@ -179,7 +188,7 @@ def test_delete_resolves_a_waiting_call(tmp_path):
         stats = (await http.get(f"{url}/lowwater/stats")).json()
         assert stats["intercepts"]["entries"] == 0 and stats["waiting_handlers"] == 0
 
-    trio.run(_with_proxy, tmp_path, fn, None)  # no admin key: loopback only, endpoints open
+    trio.run(_with_proxy, tmp_path, fn)
 
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

@@ -28,9 +28,12 @@ async def _with_proxy(tmp_path, fn, sessions: SessionConfig | None):
     upstream = Upstream()
     async with trio.open_nursery() as nursery:
         address = await nursery.start(serve, upstream)
-        config = ProxyConfig(upstream=f"http://{address}/v1", port=0, out_dir=tmp_path, retries=0, sessions=sessions)
+        config = ProxyConfig(
+            upstream=f"http://{address}/v1", port=0, out_dir=tmp_path, admin_key="adm", retries=0, sessions=sessions
+        )
         url = await nursery.start(serve_proxy, config)
-        async with httpx.AsyncClient(timeout=GUARD_S) as http:
+        # The admin key on every request (a rollout's own key goes first, so model calls still use it).
+        async with httpx.AsyncClient(timeout=GUARD_S, headers={"x-api-key": "adm"}) as http:
             with trio.fail_after(GUARD_S):
                 await fn(url, http)
         nursery.cancel_scope.cancel()

@@ -5,9 +5,12 @@ statuses, shutdown and stale-session cleanup) is
 :mod:`lowwater.interception.proxy`; this module validates the flags into a
 :class:`~lowwater.interception.proxy.ProxyConfig` and runs
 :func:`~lowwater.interception.proxy.serve_proxy` until SIGINT (exit 130) or
-SIGTERM (143).  Without an admin key (``--admin-key-env``, default
-``LOWWATER_ADMIN_KEY``) the proxy refuses to listen on anything but a
-loopback address.  See ``docs/interception.md``.
+SIGTERM (143).  The admin key comes from ``--admin-key-env`` (default
+``LOWWATER_ADMIN_KEY``); without one a key is generated and written, mode
+0600, to the file the banner names (``--admin-key-file``, else
+``$XDG_RUNTIME_DIR/lowwater/proxy-PORT.key``, else ``OUT/proxy-PORT.key``).
+``--no-admin-auth`` (tests only) opens the admin endpoints, with a warning,
+and then only on a loopback address.  See ``docs/interception.md``.
 """
 
 from __future__ import annotations
@@ -57,6 +60,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default="LOWWATER_ADMIN_KEY",
         metavar="VAR",
         help="environment variable holding the admin key (default LOWWATER_ADMIN_KEY)",
+    )
+    p.add_argument(
+        "--admin-key-file",
+        metavar="PATH",
+        help="where the generated admin key is written, mode 0600, when --admin-key-env's variable is unset "
+        "(default $XDG_RUNTIME_DIR/lowwater/proxy-PORT.key, else OUT/proxy-PORT.key)",
+    )
+    p.add_argument(
+        "--no-admin-auth",
+        action="store_true",
+        help="FOR TESTS ONLY: no admin key; every local process (the agents included) can set rewards, "
+        "export sessions and close rollouts; loopback addresses only",
     )
     p.add_argument("--upstream-key-env", metavar="VAR", help="environment variable holding the upstream's API key")
     p.add_argument("--model", help="replace the model name of every forwarded request")
@@ -120,7 +135,7 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
 
     Raises:
         lowwater.cli.UsageError: a bad URL, address, number or directory; a
-            non-loopback ``--listen`` without an admin key; an unset
+            non-loopback ``--listen`` with ``--no-admin-auth``; an unset
             ``--upstream-key-env`` variable.
     """
     from lowwater.interception.proxy import ProxyConfig
@@ -131,12 +146,15 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
     if url.scheme not in ("http", "https") or not url.netloc:
         raise UsageError(f"--upstream must be an http(s) URL, got {args.upstream!r}")
     host, port = parse_listen(args.listen)
-    admin_key = env.get(args.admin_key_env) or None
-    if admin_key is None and not is_loopback(host):
+    admin_key = None if args.no_admin_auth else env.get(args.admin_key_env) or None
+    if args.no_admin_auth and not is_loopback(host):
         raise UsageError(
-            f"refusing to listen on {host} without an admin key: set {args.admin_key_env} "
-            "(or listen on a loopback address)"
+            f"refusing to listen on {host} with --no-admin-auth: drop it (a key is generated) or listen on loopback"
         )
+    admin_key_file = None
+    if args.admin_key_file:
+        admin_key_file = Path(args.admin_key_file)
+        _writable_dir("--admin-key-file's directory", str(admin_key_file.parent))
     upstream_key = None
     if args.upstream_key_env:
         upstream_key = env.get(args.upstream_key_env)
@@ -161,6 +179,8 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
         port=port,
         out_dir=out_dir,
         admin_key=admin_key,
+        admin_key_file=admin_key_file,
+        admin_auth=not args.no_admin_auth,
         upstream_key=upstream_key,
         model=args.model,
         max_concurrency=args.max_concurrency,
@@ -185,15 +205,29 @@ def _writable_dir(flag: str, path: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lowwater.interception.proxy import TRAJECTORIES_FILE, raise_open_file_limit, serve_proxy
+    from lowwater.interception.proxy import TRAJECTORIES_FILE, admin_key_file, raise_open_file_limit, serve_proxy
 
     config = config_from_args(args)
     raise_open_file_limit()
+    if not config.admin_auth:
+        print(
+            "lowwater proxy: WARNING: --no-admin-auth: the admin endpoints are open to every local process, "
+            "the agents this proxy serves included (they can set their own rewards, export other sessions, "
+            "close other rollouts). For tests only.",
+            file=sys.stderr,
+            flush=True,
+        )
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             url = await nursery.start(serve_proxy, config)
-            admin = "admin key required" if config.admin_key else "no admin key (loopback only)"
+            key_file = admin_key_file(config, url)
+            if key_file is not None:  # the path, never the key
+                admin = f"admin key in {key_file}"
+            elif config.admin_key is not None:
+                admin = f"admin key from {args.admin_key_env}"
+            else:
+                admin = "NO admin authentication"
             print(
                 f"lowwater proxy: listening on {url} -> {config.upstream}; "
                 f"admin at {url}/lowwater/ ({admin}); trajectories to {config.out_dir / TRAJECTORIES_FILE}",
@@ -213,6 +247,8 @@ def run(args: argparse.Namespace) -> int:
         error = _first_os_error(exc)
         if error is None:
             raise
+        if error.filename is not None:  # the admin key file, not the address
+            raise UsageError(f"cannot write {error.filename}: {error.strerror or error}") from None
         raise UsageError(f"cannot listen on {config.host}:{config.port}: {error.strerror or error}") from None
 
 

@@ -6,8 +6,16 @@ Agents call it as they would call the model (OpenAI chat completions and
 responses, Anthropic messages; streamed or not); each rollout's calls are
 recorded as the turns of its trajectory and written out when the rollout is
 closed.  Admin endpoints (JSON; every one requires the admin key, as
-``Authorization: Bearer KEY`` or ``x-api-key: KEY``, when one is set; 401
-otherwise):
+``Authorization: Bearer KEY`` or ``x-api-key: KEY``; 401 otherwise):
+
+Admin authentication is on by default.  Without a configured key the proxy
+generates one at start and writes it, mode 0600, to :func:`admin_key_file`
+(``--admin-key-file``, else ``$XDG_RUNTIME_DIR/lowwater/proxy-PORT.key``,
+else ``OUT/proxy-PORT.key``); a trainer reads it with
+:func:`read_admin_key`.  The file is removed at shutdown.  Without a key the
+agents the proxy serves (local processes) could set their own rewards,
+export other sessions and close other rollouts; ``admin_auth=False``
+(``--no-admin-auth``) opens the endpoints, for tests only, with a warning.
 
 * ``POST /lowwater/rollouts`` — open a rollout.  Optional body
   ``{"rollout_id", "task_id", "group_id"}``.  Answers ``{"rollout_id",
@@ -53,7 +61,10 @@ of the process (docs/design.md#incidents).
 from __future__ import annotations
 
 import logging
+import os
 import resource
+import secrets
+from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
@@ -61,6 +72,7 @@ import trio
 
 from lowwater.interception.admin import Admin
 from lowwater.interception.server import DEFAULT_MAX_BODY_BYTES, InterceptionServer
+from lowwater.jsonl import write_atomic
 from lowwater.trainer.sessions import SessionConfig
 from lowwater.upstream.client import ModelClient
 
@@ -79,7 +91,12 @@ class ProxyConfig:
         upstream: the model server's base URL, with ``/v1``.
         host, port: the address to serve on (port 0: the OS chooses).
         out_dir: directory of :data:`TRAJECTORIES_FILE`.
-        admin_key: the key the admin endpoints require (``None``: none).
+        admin_key: the key the admin endpoints require (``None``: one is
+            generated at start and written to :func:`admin_key_file`).
+        admin_key_file: where a generated key is written (``None``: the
+            default of :func:`admin_key_file`).
+        admin_auth: ``False`` opens the admin endpoints to anyone who can
+            connect (tests only; logged as a warning).
         upstream_key: the upstream's API key.
         model: replaces the model name of every forwarded request.
         max_concurrency, timeout_s, retries: the upstream client's
@@ -94,6 +111,8 @@ class ProxyConfig:
     port: int = 8700
     out_dir: Path = Path("lowwater-proxy")
     admin_key: str | None = None
+    admin_key_file: Path | None = None
+    admin_auth: bool = True
     upstream_key: str | None = None
     model: str | None = None
     max_concurrency: int = 1024
@@ -110,9 +129,24 @@ async def serve_proxy(config: ProxyConfig, *, task_status: trio.TaskStatus[str] 
     On the way out (cancellation included) the rollouts still open are
     closed and written, shielded, for at most :data:`SHUTDOWN_WRITE_S`.
 
+    Without ``config.admin_key`` (and with ``config.admin_auth``) a key is
+    generated and written to :func:`admin_key_file` before ``started``; the
+    file is removed on the way out.
+
     Raises:
-        OSError: the address cannot be bound (inside Trio's exception groups).
+        OSError: the address cannot be bound, or the key file cannot be
+            written (``filename`` set; inside Trio's exception groups).
     """
+    admin_key = config.admin_key
+    generated = admin_key is None and config.admin_auth
+    if generated:
+        admin_key = secrets.token_urlsafe(32)
+    elif admin_key is None:
+        log.warning(
+            "admin authentication is OFF (--no-admin-auth): every local process, the agents this proxy "
+            "serves included, can set rewards, export sessions and close rollouts; for tests only"
+        )
+    key_file: Path | None = None
     async with ModelClient(
         config.upstream,
         api_key=config.upstream_key,
@@ -124,13 +158,18 @@ async def serve_proxy(config: ProxyConfig, *, task_status: trio.TaskStatus[str] 
         server = InterceptionServer(
             client, max_body_bytes=config.max_body_bytes, request_logprobs=config.request_logprobs
         )
-        admin = Admin(server, config.out_dir / TRAJECTORIES_FILE, config.admin_key, config.sessions)
+        admin = Admin(server, config.out_dir / TRAJECTORIES_FILE, admin_key, config.sessions)
         server.mount("/lowwater/", admin)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(admin.trim_loop)
                 await nursery.start(admin.cleanup_loop)
                 url = await nursery.start(server.run, config.host, config.port)
+                if generated:
+                    assert admin_key is not None
+                    key_file = admin_key_file(config, url)
+                    assert key_file is not None
+                    write_admin_key(key_file, admin_key)
                 task_status.started(url)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(SHUTDOWN_WRITE_S):
@@ -138,6 +177,46 @@ async def serve_proxy(config: ProxyConfig, *, task_status: trio.TaskStatus[str] 
                 if written:
                     log.warning("shutdown: wrote %d rollouts that were still open", written)
             admin.close_file()
+            if key_file is not None:
+                key_file.unlink(missing_ok=True)
+
+
+def admin_key_file(config: ProxyConfig, url: str, environ: Mapping[str, str] | None = None) -> Path | None:
+    """Where the proxy serving at ``url`` (``http://HOST:PORT``) writes its generated admin key.
+
+    ``config.admin_key_file`` if set; else ``$XDG_RUNTIME_DIR/lowwater/proxy-PORT.key``
+    (a per-user directory, mode 0700, on systemd machines); else
+    ``config.out_dir/proxy-PORT.key``.  ``None`` when no key is generated
+    (one was given, or admin authentication is off).
+    """
+    if config.admin_key is not None or not config.admin_auth:
+        return None
+    if config.admin_key_file is not None:
+        return Path(config.admin_key_file)
+    port = url.rsplit(":", 1)[1]
+    runtime = (os.environ if environ is None else environ).get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return Path(runtime) / "lowwater" / f"proxy-{port}.key"
+    return config.out_dir / f"proxy-{port}.key"
+
+
+def write_admin_key(path: Path, key: str) -> None:
+    """Write ``key`` to ``path``: mode 0600, atomically (its directory created 0700 if missing).
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    write_atomic(path, [key.encode() + b"\n"])
+
+
+def read_admin_key(path: str | os.PathLike[str]) -> str:
+    """The admin key a proxy wrote to ``path`` (what a trainer sends as ``Authorization: Bearer KEY``).
+
+    Raises:
+        OSError: the file cannot be read (the proxy is not running, or runs as another user).
+    """
+    return Path(path).read_text(encoding="ascii").strip()
 
 
 def raise_open_file_limit() -> int:
