@@ -27,6 +27,7 @@ import trio
 
 from lowwater.cli import UsageError
 from lowwater.commands.signals import until_signal
+from lowwater.redact import redact_url
 
 if TYPE_CHECKING:
     from lowwater.interception.proxy import ProxyConfig
@@ -144,7 +145,7 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
     env = os.environ if environ is None else environ
     url = urlsplit(args.upstream)
     if url.scheme not in ("http", "https") or not url.netloc:
-        raise UsageError(f"--upstream must be an http(s) URL, got {args.upstream!r}")
+        raise UsageError(f"--upstream must be an http(s) URL, got {redact_url(args.upstream)!r}")
     host, port = parse_listen(args.listen)
     admin_key = None if args.no_admin_auth else env.get(args.admin_key_env) or None
     if args.no_admin_auth and not is_loopback(host):
@@ -229,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 admin = "NO admin authentication"
             print(
-                f"lowwater proxy: listening on {url} -> {config.upstream}; "
+                f"lowwater proxy: listening on {url} -> {redact_url(config.upstream)}; "
                 f"admin at {url}/lowwater/ ({admin}); trajectories to {config.out_dir / TRAJECTORIES_FILE}",
                 file=sys.stderr,
                 flush=True,

@@ -65,6 +65,7 @@ from lowwater.interception.protocols import Completion, Protocol, builtin_protoc
 from lowwater.interception.sampling import apply as apply_sampling
 from lowwater.interception.slots import Slot, SlotRegistry, new_secret
 from lowwater.interception.sse import SSEParser
+from lowwater.redact import redact_url
 from lowwater.trajectory import Trajectory, Turn
 from lowwater.upstream.client import Answer, ModelClient, read_answer
 
@@ -434,6 +435,9 @@ class InterceptionServer:
             return  # a closed rollout's trajectory is no longer ours to write
         call.recorded = True
         done = done or Completion()
+        if error is not None:
+            # Written to files with the turn: an error text may quote a URL with credentials.
+            error = redact_url(error)
         if nests_deeper(
             [done.completion, done.finish_reason, done.usage, done.token_ids, done.logprobs], _ANSWER_DEPTH
         ):
@@ -542,9 +546,9 @@ class InterceptionServer:
         """Pass an upstream 4xx on as is (with ``retry-after``); a 5xx becomes 502."""
         self._record(call, None, f"upstream answered {answer.status}")
         if answer.status >= 500 or not answer.content_type.startswith("application/json"):
+            excerpt = redact_url(answer.content[:200].decode("utf-8", "replace"))
             raise HTTPError(
-                502 if answer.status >= 500 else answer.status,
-                f"upstream answered {answer.status}: {answer.content[:200].decode('utf-8', 'replace')}",
+                502 if answer.status >= 500 else answer.status, f"upstream answered {answer.status}: {excerpt}"
             )
         call.started = call.finished = True
         self._delivered(call)
