@@ -1,7 +1,7 @@
 """The built-in subprocess runtime passes the runtime conformance state machine."""
 
 from lowwater.runtime import RuntimeConfig, SubprocessRuntime
-from lowwater.testing.runtime import RuntimeConformance
+from lowwater.testing.runtime import CONFORMANCE_PROFILES, PROFILE_ENV, RuntimeConformance, conformance_settings
 
 
 class SubprocessConformance(RuntimeConformance):
@@ -20,3 +20,11 @@ class PersistentSubprocessConformance(RuntimeConformance):
 
 
 TestPersistentSubprocessConformance = PersistentSubprocessConformance.TestCase
+
+
+def test_the_profile_variable_picks_the_size():
+    ci, long = CONFORMANCE_PROFILES["ci"], CONFORMANCE_PROFILES["long"]
+    assert conformance_settings({}) is ci and conformance_settings({PROFILE_ENV: "nope"}) is ci
+    assert conformance_settings({PROFILE_ENV: "long"}) is long
+    assert long.max_examples * long.stateful_step_count > 10 * ci.max_examples * ci.stateful_step_count
+    assert SubprocessConformance.TestCase.settings is conformance_settings()

@@ -37,6 +37,7 @@ and pipes belong to the loop that made them); rules call into it.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import string
@@ -44,7 +45,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -109,14 +110,31 @@ def _expect(exc_type: type[BaseException] | tuple[type[BaseException], ...], fn:
     raise AssertionError(f"expected {exc_type}, nothing raised")
 
 
-#: Default settings of every subclass's ``TestCase`` (a few seconds for the
-#: built-in runtime); assign ``Sub.TestCase.settings`` to change them.
-CONFORMANCE_SETTINGS = settings(
-    max_examples=8,
-    stateful_step_count=12,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+#: Environment variable naming the size of the conformance runs: ``long``
+#: for soak runs (``LOWWATER_HYPOTHESIS_PROFILE=long pytest ...``; lowwater's
+#: tests/conftest.py loads a Hypothesis profile of the same name for the
+#: other property tests); anything else, or unset, is ``ci``.
+PROFILE_ENV = "LOWWATER_HYPOTHESIS_PROFILE"
+_COMMON = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.filter_too_much]}
+#: Settings of every subclass's ``TestCase`` by profile.  ``ci``: 20-30 s per
+#: runtime on a loaded 2-core machine for the built-in ones; it runs the
+#: crash, timeout and reuse rules 20-40 times each (8 examples of 12 steps,
+#: the former size, ran them about 6 times).  ``long``: about 16x the steps.
+#: Assign ``Sub.TestCase.settings`` to override.
+CONFORMANCE_PROFILES = {
+    "ci": settings(max_examples=25, stateful_step_count=25, **_COMMON),
+    "long": settings(max_examples=200, stateful_step_count=50, **_COMMON),
+}
+
+
+def conformance_settings(environ: Mapping[str, str] | None = None) -> settings:
+    """The settings of the profile named by ``LOWWATER_HYPOTHESIS_PROFILE`` (``ci`` if unset or unknown)."""
+    name = (os.environ if environ is None else environ).get(PROFILE_ENV, "ci")
+    return CONFORMANCE_PROFILES.get(name, CONFORMANCE_PROFILES["ci"])
+
+
+#: The settings subclasses get (read once, when this module is imported).
+CONFORMANCE_SETTINGS = conformance_settings()
 
 
 class RuntimeConformance(RuleBasedStateMachine):
