@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from lowwater.envs.calculator import CalculatorError, evaluate, format_result
+from lowwater.envs.calculator import tool_answer
 from lowwater.rollout import RolloutFailed
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -77,15 +77,10 @@ in a warm worker; prints or returns the final assistant text."""
 
 def run_calculator(arguments: str) -> str:
     """The tool's answer to a call's JSON ``arguments`` (``{"expression": ...}``),
-    evaluated by :func:`lowwater.envs.calculator.evaluate` (never ``eval``).
-    Errors become text the model sees, never exceptions."""
-    try:
-        expression = orjson.loads(arguments)["expression"]
-        return format_result(evaluate(str(expression)))
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return "error: arguments must be a JSON object with an 'expression' string"
-    except CalculatorError as exc:
-        return f"error: {exc}"
+    evaluated by :func:`lowwater.envs.calculator.evaluate` (never ``eval``;
+    the agent program uses the same evaluator).  Errors become text the
+    model sees, never exceptions."""
+    return tool_answer(arguments)
 
 
 async def chat_tool_loop(

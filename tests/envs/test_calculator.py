@@ -2,6 +2,8 @@
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import hypothesis.strategies as st
@@ -9,6 +11,7 @@ import pytest
 from hypothesis import given
 
 from lowwater.envs.calculator import CalculatorError, evaluate, format_result
+from lowwater.harness import AGENT_PROGRAM, run_calculator
 
 GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "example_model_solutions.jsonl"
 
@@ -80,3 +83,63 @@ def test_recorded_gsm8k_annotations_mostly_agree():
                 except (CalculatorError, ValueError):
                     pass
     assert total > 20_000 and agree / total > 0.99  # measured: 99.56 %
+
+
+# --- one bounded evaluator for both agents ----------------------------------------
+
+HOSTILE = [
+    "((9**99)**99)**99",
+    "(((9**99)**99)**99)**99",
+    "9**99",
+    "2**100",
+    "(10**16)**2",
+    "99999999999999999999999999999999",
+    "99999999999999999999999999999*99999999999999999999999999999*999999999999999999999999999",
+    "-" * 200 + "1",
+    "1+" * 60 + "1",
+    "(" * 300 + "1" + ")" * 300,
+    "\x00",
+    "1\x00+1",
+]
+
+
+@pytest.mark.parametrize("expr", HOSTILE)
+def test_refuses_hostile_expressions_before_computing_them(expr):
+    with pytest.raises(CalculatorError):
+        evaluate(expr)
+    assert run_calculator(json.dumps({"expression": expr})).startswith("error: ")
+
+
+def test_tool_answers_and_bad_arguments():
+    assert run_calculator('{"expression": "1,050 + 2**10"}') == "2074"
+    assert run_calculator('{"expression": "2**-2"}') == "0.25"
+    for bad in ("not json", "[1]", '"x"', "{}", "[" * 100_000, '{"expression": 1/0}'):
+        assert run_calculator(bad) == "error: arguments must be a JSON object with an 'expression' string"
+
+
+PROGRAM_CHILD = r"""
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("agent_program", sys.argv[1])
+program = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(program)
+answers = [program.calculator(json.dumps({"expression": e})) for e in json.loads(sys.stdin.read())]
+assert not any(m == "lowwater" or m.startswith("lowwater.") for m in sys.modules), "the program imported lowwater"
+print(json.dumps(answers))
+"""
+
+
+def test_the_agent_program_uses_the_same_bounded_evaluator():
+    """The program agent (stdlib only, no lowwater) answers exactly as the in-process one."""
+    expressions = [*HOSTILE, "48/2", "3*(2+1.5)", "250+150+1,050+180", "2**10", "x+1"]
+    out = subprocess.run(
+        [sys.executable, "-c", PROGRAM_CHILD, str(AGENT_PROGRAM)],
+        input=json.dumps(expressions),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    answers = json.loads(out.stdout)
+    assert answers == [run_calculator(json.dumps({"expression": e})) for e in expressions]
+    assert all(a.startswith("error: ") for a in answers[: len(HOSTILE)])
+    assert answers[len(HOSTILE) :] == ["24", "10.5", "1630", "1024", "error: unsupported element Name in arithmetic"]

@@ -7,27 +7,31 @@ official ``openai`` SDK, prints the final assistant text on stdout and exits
 0; a failed model call exits 1 with the reason on stderr.
 
 Stdlib + ``openai`` only: it must not import lowwater (the runtime's
-interpreter need not have it), so the calculator is repeated here in the
-same restricted form (``ast``, numbers and arithmetic operators only).
+interpreter need not have it).  The calculator is the in-process agent's
+own, ``calculator.py`` beside this file (stdlib only), loaded by path: a
+copy kept here once lacked its bounds, crashed on ``((9**99)**99)**99`` and
+burned 20 s of CPU one level deeper.
 """
 
 from __future__ import annotations
 
-import ast
-import json
-import operator
+import importlib.util
 import os
 import sys
+from typing import Any
 
-OPS = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-    ast.Pow: operator.pow,
-}
+
+def _load_calculator() -> Any:
+    """``calculator.py`` from this file's directory, as a module of its own (not ``lowwater.envs``)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calculator.py")
+    spec = importlib.util.spec_from_file_location("_lowwater_agent_calculator", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_CALCULATOR = _load_calculator()
 SYSTEM_PROMPT = (
     "Solve the math word problem step by step. Use the calculator tool for every "
     "arithmetic step. Finish with a last line of the form 'A: <number>'."
@@ -42,31 +46,10 @@ TOOL = {
 }
 
 
-def calc(node):
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
-    if isinstance(node, ast.BinOp) and type(node.op) in OPS:
-        left, right = calc(node.left), calc(node.right)
-        if isinstance(node.op, ast.Pow) and abs(right) > 100:
-            raise ValueError("exponent too large")
-        return OPS[type(node.op)](left, right)
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
-        value = calc(node.operand)
-        return value if isinstance(node.op, ast.UAdd) else -value
-    raise ValueError("not arithmetic")
-
-
 def calculator(arguments: str) -> str:
-    try:
-        expression = str(json.loads(arguments)["expression"]).replace(",", "")
-        if len(expression) > 256:
-            return "error: expression too long"
-        value = calc(ast.parse(expression, mode="eval").body)
-    except Exception as exc:  # the model sees the error and may try again
-        return f"error: {exc}"
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return str(value) if isinstance(value, int) else f"{value:.10g}"
+    """The tool's answer to a call's JSON ``arguments``: the shared evaluator's
+    ``tool_answer`` (errors are text the model sees and may act on)."""
+    return str(_CALCULATOR.tool_answer(arguments))
 
 
 _HTTP = None  # one connection pool per process (a warm worker serves many rollouts)
