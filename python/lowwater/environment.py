@@ -46,6 +46,39 @@ class Task:
 
 
 @attrs.frozen
+class EnvOption:
+    """One option an environment factory takes (``--env-option NAME=VALUE``).
+
+    A factory declares its options with an ``options`` attribute mapping
+    each name to an :class:`EnvOption`; ``lowwater envs`` lists them and
+    ``lowwater eval`` refuses ``--env-option`` keys not declared (the
+    ``seed`` every run passes is always accepted).  Factories without an
+    ``options`` attribute accept any key, as before::
+
+        def make(options):
+            return MyEnvironment(int(options.get("size", 10)))
+
+        make.options = {"size": EnvOption(10, "number of tasks")}
+
+    Attributes:
+        default: the value used when the option is not given (``None``: none).
+        help: one line saying what the option does, with its unit.
+        required: the factory refuses to build without it.
+    """
+
+    default: Any = None
+    help: str = ""
+    required: bool = False
+
+
+def declared_options(factory: Any) -> Mapping[str, EnvOption] | None:
+    """The options ``factory`` declares (its ``options`` attribute), or
+    ``None`` when it declares none (any key is then accepted)."""
+    options = getattr(factory, "options", None)
+    return options if isinstance(options, Mapping) else None
+
+
+@attrs.frozen
 class Score:
     """A rubric's verdict on one rollout: ``reward`` (float) and ``metrics``
     (JSON-serialisable values, such as ``{"correct": True}``)."""
@@ -123,6 +156,12 @@ class Environment:
     def tasks(self) -> Iterator[Task]:
         """Yield the taskset lazily, in a stable order."""
         raise NotImplementedError
+
+    def task_count(self) -> int | None:
+        """How many tasks :meth:`tasks` yields, when that is known without
+        reading the taskset (progress bars show a total then); ``None``
+        (the default) when it is not."""
+        return None
 
     def task(self, task_id: str | int) -> Task:
         """The task with ``task_id`` (used to re-run a task from its id alone:

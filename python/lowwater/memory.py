@@ -89,41 +89,77 @@ class Trimmer:
 class MemoryRecord:
     """RSS over a run: baseline, peak, resting, and a bounded sample series.
 
-    Samples are ``(elapsed_s, rss_bytes, finished_rollouts)``.  The series
-    is bounded: past ``max_samples`` every other sample is dropped and the
-    sampling stride doubles, so a five-hour run keeps a few kilobytes, not
-    a list that itself grows with the run.  ``peak_bytes`` counts every
-    sample, dropped or not.
+    Samples are ``(elapsed_s, rss_bytes, finished_rollouts)``.  The first
+    is the baseline itself, at ``t = 0`` (a 64-rollout run used to plot two
+    samples from 1.38 s on, missing its start), and :meth:`interval_s` says
+    when the next one is due: often while the run is young, less often as it
+    grows, so a run of two seconds and one of five hours both get a plot of
+    a few hundred points.  The series is bounded: past ``max_samples`` every
+    other sample (never the first) is dropped and the stride doubles, so a
+    five-hour run keeps a few kilobytes, not a list that itself grows with
+    the run.  ``peak_bytes`` counts every sample, dropped or not.
 
     Args:
         baseline_bytes: RSS before the run started work (default: now).
         max_samples: upper bound on kept samples (>= 2).
+        min_interval_s: shortest wait :meth:`interval_s` asks for (seconds).
+        target_samples: about how many samples :meth:`interval_s` spreads
+            over the run so far.
     """
 
-    def __init__(self, baseline_bytes: int | None = None, max_samples: int = 4096) -> None:
+    def __init__(
+        self,
+        baseline_bytes: int | None = None,
+        max_samples: int = 4096,
+        *,
+        min_interval_s: float = 0.05,
+        target_samples: int = 256,
+    ) -> None:
         if max_samples < 2:
             raise ValueError("max_samples must be >= 2")
         self.baseline_bytes = rss_bytes() if baseline_bytes is None else baseline_bytes
         self.peak_bytes = self.baseline_bytes
         self.last_bytes = self.baseline_bytes
         self.max_samples = max_samples
-        self.samples: list[tuple[float, int, int]] = []
+        self.min_interval_s = min_interval_s
+        self.target_samples = target_samples
         self._start = time.monotonic()
+        self.samples: list[tuple[float, int, int]] = [(0.0, self.baseline_bytes, 0)]
         self._stride = 1
         self._seen = 0
 
-    def add(self, rss: int | None = None, finished: int = 0) -> int:
-        """Record one sample (``rss`` in bytes, default: measure now); returns it."""
+    def elapsed_s(self) -> float:
+        """Seconds since the baseline sample."""
+        return time.monotonic() - self._start
+
+    def interval_s(self) -> float:
+        """Seconds to wait before the next sample: ``min_interval_s``, or the
+        run's age over ``target_samples`` once that is longer."""
+        return max(self.min_interval_s, self.elapsed_s() / self.target_samples)
+
+    def add(self, rss: int | None = None, finished: int = 0, *, keep: bool = False) -> int:
+        """Record one sample (``rss`` in bytes, default: measure now); returns it.
+
+        ``keep`` records it whatever the stride (the run's last sample).
+        """
         rss = rss_bytes() if rss is None else rss
         self.last_bytes = rss
         self.peak_bytes = max(self.peak_bytes, rss)
         self._seen += 1
-        if self._seen % self._stride == 0:
-            self.samples.append((time.monotonic() - self._start, rss, finished))
+        if keep or self._seen % self._stride == 0:
+            self.samples.append((self.elapsed_s(), rss, finished))
             if len(self.samples) > self.max_samples:
-                del self.samples[1::2]
+                del self.samples[1::2]  # the baseline (index 0) stays
                 self._stride *= 2
         return rss
+
+    def to_json(self) -> dict[str, object]:
+        """``{"baseline_bytes", "peak_bytes", "samples": [[elapsed_s, rss_bytes, finished], ...]}``."""
+        return {
+            "baseline_bytes": self.baseline_bytes,
+            "peak_bytes": self.peak_bytes,
+            "samples": [[round(t, 3), rss, n] for t, rss, n in self.samples],
+        }
 
     def summary(self, resting_bytes: int | None = None) -> dict[str, float]:
         """``rss_baseline_mb``, ``rss_peak_mb``, ``rss_resting_mb`` (MiB).

@@ -306,6 +306,6 @@ def test_n_beyond_the_taskset_says_so(tmp_path):
     out = lowwater("eval", "-n", "9", "--env-option", "size=4", "--out", "r.jsonl", "--no-progress", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "-n 9 asked for more tasks than the arithmetic taskset has; ran all 4" in out.stderr
-    assert (tmp_path / "r.jsonl").read_bytes().count(b"\n") == 1 + 4
+    assert len(rows_of(tmp_path / "r.jsonl")) == 4
     out = lowwater("eval", "-n", "3", "--env-option", "size=4", "--out", "s.jsonl", "--no-progress", cwd=tmp_path)
     assert out.returncode == 0 and "asked for more tasks" not in out.stderr

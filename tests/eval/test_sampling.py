@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from lowwater.interception.sampling import apply
 from interception._harness import KINDS, body, run
+from lowwater.interception.sampling import apply
 
 
 def test_run_values_fill_only_what_the_agent_left_unset():

@@ -43,7 +43,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=131072,
         help="tokens per rollout (default 131072: an int64 shard of 1 MiB, at the mmap threshold)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the demo's tasks (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON summary line instead of text")
     p.set_defaults(func=run)
     return p

@@ -39,18 +39,63 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--env-option", action="append", default=[], metavar="KEY=VALUE", help="environment option (repeatable)"
     )
-    p.add_argument("-n", "--rollouts", type=int, help="tasks to run from the start of the taskset (default: all)")
+    p.add_argument(
+        "-n", "--rollouts", type=int, help="tasks to run from the start of the taskset (default: all); --limit N"
+    )
+    p.add_argument(
+        "--limit",
+        metavar="N|START-END",
+        help="tasks to run: the first N, or positions START to END of the taskset (1-based, inclusive, as in "
+        "inspect: --limit 11-20 runs task ids 10 to 19 of a dataset)",
+    )
+    p.add_argument(
+        "--task-ids", metavar="ID,...", help="run exactly these tasks, by id (comma-separated; see the results rows)"
+    )
     p.add_argument("--group-size", type=int, default=1, help="rollouts per task (default 1)")
     p.add_argument("-c", "--concurrency", type=int, default=32, help="rollouts in flight (default 32)")
     p.add_argument("--max-turns", type=int, default=16, help="model calls per rollout (default 16)")
     p.add_argument("--timeout", type=float, default=600.0, help="whole-rollout deadline in seconds (default 600)")
-    p.add_argument("--harness", choices=("inprocess", "program"), default="inprocess")
+    p.add_argument(
+        "--harness",
+        choices=("inprocess", "program"),
+        default="inprocess",
+        help="inprocess: the agent is a coroutine in this process; program: an agent program in a runtime "
+        "(default inprocess)",
+    )
+    p.add_argument("--temperature", type=float, help="sampling temperature sent with every model call")
+    p.add_argument("--top-p", type=float, help="nucleus sampling top_p sent with every model call")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        help="completion token limit sent with every model call (max_output_tokens for the responses API)",
+    )
+    p.add_argument(
+        "-S",
+        "--sampling",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other sampling argument sent with every model call (repeatable; VALUE is JSON, else a string): "
+        "-S seed=1 -S stop='[\"##\"]'; a key the agent sets itself keeps the agent's value",
+    )
     p.add_argument(
         "--persistent", action=argparse.BooleanOptionalAction, default=True, help="runtimes from a pool (default on)"
     )
     p.add_argument("--out", type=Path, help="results JSONL (default runs/<env>-<time>.jsonl)")
     p.add_argument("--resume", action="store_true", help="continue --out: skip finished tasks, re-run errored ones")
     p.add_argument("--max-attempts", type=int, default=3, help="runs that may attempt an errored task (default 3)")
+    p.add_argument(
+        "--no-samples",
+        action="store_true",
+        help="do not write transcripts (by default each rollout's goes to OUT's .samples.jsonl as it finishes)",
+    )
+    p.add_argument(
+        "--max-error-rate",
+        type=float,
+        default=0.0,
+        metavar="RATE",
+        help="exit 1 when more than this share (0 to 1) of rollouts ended in an error (default 0: any error)",
+    )
     p.add_argument("--summary-json", type=Path, help="write the summary figures as JSON here")
     p.add_argument("--memory-plot", type=Path, metavar="PATH.png", help="plot RSS over the run as a PNG")
     p.add_argument("--seed", type=int, default=0, help="seed for generated tasksets (default 0)")
@@ -90,8 +135,48 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+def parse_limit(text: str) -> tuple[int, int | None]:
+    """``--limit N`` -> ``(0, N)``; ``--limit START-END`` (1-based, inclusive) -> ``(START - 1, END - START + 1)``.
+
+    Raises:
+        UsageError: not of either form, or ``START > END`` or ``START < 1``.
+    """
+    first, sep, last = text.partition("-")
+    try:
+        if not sep:
+            return 0, int(first)
+        start, end = int(first), int(last)
+    except ValueError:
+        raise UsageError(f"--limit {text!r}: expected N or START-END (e.g. 10 or 11-20)") from None
+    if start < 1 or end < start:
+        raise UsageError(f"--limit {text!r}: START-END needs 1 <= START <= END")
+    return start - 1, end - start + 1
+
+
+def parse_sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling arguments of ``--temperature``, ``--top-p``, ``--max-tokens`` and ``-S KEY=VALUE``.
+
+    Raises:
+        UsageError: an ``-S`` item without ``=``.
+    """
+    sampling: dict[str, Any] = {}
+    for item in args.sampling:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"-S {item!r}: expected KEY=VALUE (VALUE is JSON, else a string)")
+        try:
+            sampling[key] = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            sampling[key] = value
+    for key, value in (("temperature", args.temperature), ("top_p", args.top_p), ("max_tokens", args.max_tokens)):
+        if value is not None:
+            sampling[key] = value
+    return sampling
+
+
 def build_config(args: argparse.Namespace) -> Any:
     from lowwater.eval import EvalConfig
+    from lowwater.eval.runner import parse_task_id
     from lowwater.upstream.spec import UpstreamError, parse_model
 
     options: dict[str, Any] = {"seed": args.seed}
@@ -109,12 +194,26 @@ def build_config(args: argparse.Namespace) -> Any:
     out = args.out or DEFAULT_OUT_DIR / f"{args.env}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
     if args.resume and args.out is None:
         raise UsageError("--resume needs --out (the results file to continue)")
+    selectors = (("-n", args.rollouts), ("--limit", args.limit), ("--task-ids", args.task_ids))
+    given = [flag for flag, value in selectors if value is not None]
+    if len(given) > 1:
+        raise UsageError(f"{' and '.join(given)} both select tasks; give one of them")
+    start, rollouts, task_ids = 0, args.rollouts, None
+    if args.limit is not None:
+        start, rollouts = parse_limit(args.limit)
+    if args.task_ids is not None:
+        task_ids = tuple(parse_task_id(t) for t in args.task_ids.split(",") if t.strip())
+        if not task_ids:
+            raise UsageError("--task-ids: give at least one id")
     try:
         return EvalConfig(
             env=args.env,
             env_options=options,
             model=model,
-            rollouts=args.rollouts,
+            sampling=parse_sampling(args),
+            rollouts=rollouts,
+            start=start,
+            task_ids=task_ids,
             group_size=args.group_size,
             concurrency=args.concurrency,
             max_turns=args.max_turns,
@@ -132,6 +231,8 @@ def build_config(args: argparse.Namespace) -> Any:
             max_rss_mb=args.max_rss_mb,
             high_water_mb=args.high_water_mb,
             pass_env=tuple(args.pass_env),
+            samples=not args.no_samples,
+            max_error_rate=args.max_error_rate,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -146,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     from lowwater.upstream.spec import UpstreamError
 
     if args.memory_plot is not None:
-        _check_plotting()
+        _check_plotting()  # without importing it: the baseline is sampled before matplotlib's 28 MiB
     config = build_config(args)
     console = Console(stderr=True)
     progress = None if args.no_progress or not console.is_terminal else _Progress(console)
@@ -190,8 +291,25 @@ def run(args: argparse.Namespace) -> int:
         args.summary_json.parent.mkdir(parents=True, exist_ok=True)
         args.summary_json.write_bytes(orjson.dumps(report.summary, option=orjson.OPT_INDENT_2) + b"\n")
     if args.memory_plot is not None:
-        plot_memory(report.memory, args.memory_plot)
-    return 0
+        plot_memory(report.memory, args.memory_plot, title=_plot_title(config, report))
+    return _exit_status(report.summary, config.max_error_rate)
+
+
+def _exit_status(summary: dict[str, Any], max_error_rate: float) -> int:
+    """0, or 1 (with a line saying why) when the rollouts that ended in an
+    error exceed ``--max-error-rate``: an eval whose every rollout failed
+    (a model URL without ``/v1``, a harness missing a package) used to exit 0."""
+    rate = summary["error_rate"]
+    if rate <= max_error_rate:
+        return 0
+    top = summary["top_errors"][0] if summary["top_errors"] else None
+    common = f"; most common: {top['class']}: {top['message']} ({top['count']}x)" if top else ""
+    print(
+        f"lowwater eval: {summary['errors']} of {summary['rollouts']} rollouts ({100 * rate:.1f} %) ended in an "
+        f"error, above --max-error-rate {max_error_rate:g}{common}",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _single_leaf(group: BaseExceptionGroup) -> BaseException | None:
@@ -205,22 +323,35 @@ def _single_leaf(group: BaseExceptionGroup) -> BaseException | None:
 
 
 class _Progress:
-    """A rich progress bar: rollouts done, errors, rollouts/s, current RSS."""
+    """A rich progress bar: rollouts done of the total, percent, ETA, errors,
+    the running mean reward, rollouts/s and current RSS."""
 
     def __init__(self, console: Any) -> None:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TaskProgressColumn,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self.progress = Progress(
             TextColumn("[bold]eval"),
             BarColumn(),
-            TextColumn("{task.completed} rollouts"),
+            MofNCompleteColumn(),
+            TaskProgressColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
             TextColumn("{task.fields[errors]} errors"),
+            TextColumn("reward {task.fields[reward]:.3f}"),
             TextColumn("{task.fields[rate]:.1f}/s"),
             TextColumn("RSS {task.fields[rss_mb]:.0f} MiB"),
             TimeElapsedColumn(),
             console=console,
         )
-        self.task = self.progress.add_task("eval", total=None, errors=0, rate=0.0, rss_mb=0.0)
+        self.task = self.progress.add_task("eval", total=None, errors=0, reward=0.0, rate=0.0, rss_mb=0.0)
         self.started = time.perf_counter()
 
     def __enter__(self) -> _Progress:
@@ -234,8 +365,10 @@ class _Progress:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         self.progress.update(
             self.task,
+            total=totals.planned,
             completed=totals.this_run,
             errors=sum(totals.errors.values()),
+            reward=totals.reward_mean,
             rate=totals.this_run / elapsed,
             rss_mb=rss / (1 << 20),
         )
@@ -257,7 +390,7 @@ def _print_summary(console: Any, report: Any, config: Any) -> None:
         ("rollouts", s["rollouts"]),
         ("completed", s["completed"]),
         ("errors", f"{s['errors']} ({errors})"),
-        ("accuracy", f"{100 * s['accuracy']:.2f} %"),
+        ("accuracy", _accuracy(s)),
         ("mean reward", f"{s['reward_mean']:.4f}"),
         ("mean turns", f"{s['turns_mean']:.2f}"),
         ("wall time", f"{s['wall_s']:.2f} s"),
@@ -280,18 +413,39 @@ def _print_summary(console: Any, report: Any, config: Any) -> None:
         )
         table.add_row("admission held rollouts back", f"{p['admission_wait_s']:.2f} s ({p['admission_holds']} holds)")
         table.add_row("worker RSS peak", f"{p['worker_rss_peak_mb']:.1f} MiB")
+    if s["pass_at_k"]:
+        for label, key in (("pass@k", "pass_at_k"), ("pass^k", "pass_hat_k")):
+            values = ", ".join(f"{label[:-1]}{k} {100 * v:.2f} %" for k, v in s[key].items() if v is not None)
+            table.add_row(f"{label} ({s['tasks']} tasks)", values)
+    for e in s["top_errors"]:
+        table.add_row(f"  {e['count']}x {e['class']}", e["message"][:120])
+    left = s.get("leftovers") or {}
+    table.add_row("left alive after the run", ", ".join(f"{k} {v}" for k, v in sorted(left.items())) or "nothing")
     console.print(table)
 
 
+def _accuracy(s: dict[str, Any]) -> str:
+    text = f"{100 * s['accuracy']:.2f} %"
+    if s["accuracy_stderr"] is not None:
+        low, high = s["accuracy_ci95"]
+        text += f" +- {100 * s['accuracy_stderr']:.2f} (95 % CI {100 * low:.1f}-{100 * high:.1f})"
+    return text
+
+
 def _check_plotting() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise UsageError("--memory-plot needs matplotlib: pip install 'lowwater[plot]'") from None
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--memory-plot needs matplotlib: pip install 'lowwater[plot]'")
 
 
-def plot_memory(record: Any, path: Path) -> None:
-    """Draw RSS (MiB) over the run with rollouts finished on a second axis (PNG)."""
+def _plot_title(config: Any, report: Any) -> str:
+    return f"lowwater eval {config.env} · model {config.model.name} · run {report.run_id}"
+
+
+def plot_memory(record: Any, path: Path, *, title: str = "lowwater eval: RSS over the run") -> None:
+    """Draw RSS (MiB) over the whole run, from the baseline at t = 0, with
+    rollouts finished on a second axis (PNG); both lines are in the legend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -300,16 +454,21 @@ def plot_memory(record: Any, path: Path) -> None:
     samples = record.samples or [(0.0, record.baseline_bytes, 0)]
     t = [s[0] for s in samples]
     fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
-    ax.plot(t, [s[1] / (1 << 20) for s in samples], color="tab:blue", label="RSS")
-    ax.axhline(record.baseline_bytes / (1 << 20), color="tab:blue", linestyle=":", linewidth=1, label="baseline")
-    ax.set_xlabel("seconds")
+    (rss_line,) = ax.plot(t, [s[1] / (1 << 20) for s in samples], color="tab:blue", label="RSS (MiB)")
+    base_line = ax.axhline(
+        record.baseline_bytes / (1 << 20), color="tab:blue", linestyle=":", linewidth=1, label="RSS baseline"
+    )
+    ax.set_xlabel("seconds since the baseline sample")
     ax.set_ylabel("RSS (MiB)", color="tab:blue")
+    ax.set_xlim(0, max(t[-1], 1e-3))
     ax2 = ax.twinx()
-    ax2.plot(t, [s[2] for s in samples], color="tab:orange", label="rollouts finished")
+    (done_line,) = ax2.plot(t, [s[2] for s in samples], color="tab:orange", label="rollouts finished")
     ax2.set_ylabel("rollouts finished", color="tab:orange")
     top = max((s[1] for s in samples), default=record.baseline_bytes) / (1 << 20)
     ax.set_ylim(0, math.ceil(top * 1.1) or 1)
-    ax.set_title("lowwater eval: RSS over the run")
+    ax2.set_ylim(0, max(1, max(s[2] for s in samples) * 1.1))
+    ax.legend(handles=[rss_line, base_line, done_line], loc="lower right")
+    ax.set_title(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

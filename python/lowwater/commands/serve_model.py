@@ -2,7 +2,8 @@
 
 Prints the bound base URL (``http://HOST:PORT``) alone on the first line of
 stdout, flushed, so a parent process can read it; a description goes to
-stderr.  Serves until Ctrl-C or SIGTERM (exit status 0).  Bad input (a missing or
+stderr with the OpenAI base URL (``http://HOST:PORT/v1``) and a
+``lowwater eval --model NAME --model-url URL`` line to paste as is.  Serves until Ctrl-C or SIGTERM (exit status 0).  Bad input (a missing or
 malformed replay file, an unknown column, out-of-range numbers, an address
 that cannot be bound) is a one-line :class:`~lowwater.cli.UsageError`.
 """
@@ -100,8 +101,12 @@ def run(args: argparse.Namespace) -> int:
             url = await nursery.start(serve_model, model, args.host, args.port)
             bound = True
             print(url, flush=True)
+            # The line to paste: the base URL with its /v1 and the served
+            # model's name (a URL pasted without /v1 got a 404 on every call).
             print(
-                f"lowwater serve-model: {what} at {url} (OpenAI base URL {url}/v1); Ctrl-C to stop",
+                f"lowwater serve-model: {what}; Ctrl-C to stop\n"
+                f"  base URL: {url}/v1\n"
+                f"  use it:   lowwater eval --model {model.name} --model-url {url}/v1",
                 file=sys.stderr,
                 flush=True,
             )

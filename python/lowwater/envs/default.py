@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from lowwater.environment import Environment, HarnessContext, Score, Task
+from lowwater.environment import Environment, EnvOption, HarnessContext, Score, Task
 from lowwater.envs.arithmetic import problem
 from lowwater.harness import final_answer, run_calculator_agent, same_number
 from lowwater.rollout import Rollout
@@ -38,6 +38,9 @@ class ArithmeticEnvironment(Environment):
     def tasks(self) -> Iterator[Task]:
         for index in range(self.size):
             yield self.task(index)
+
+    def task_count(self) -> int:
+        return self.size
 
     def task(self, task_id: str | int) -> Task:
         """Direct lookup: a task is a pure function of ``(seed, index)``."""
@@ -65,3 +68,9 @@ def make(options: dict[str, Any]) -> ArithmeticEnvironment:
         ValueError: an option is not an int, or ``size < 1``.
     """
     return ArithmeticEnvironment(int(options.get("seed", 0)), int(options.get("size", 64)))
+
+
+make.options = {  # type: ignore[attr-defined]
+    "seed": EnvOption(0, "the taskset's seed: tasks are a pure function of (seed, index)"),
+    "size": EnvOption(64, "number of tasks in the taskset"),
+}

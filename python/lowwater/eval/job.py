@@ -13,6 +13,7 @@ from typing import Any
 import trio
 
 from lowwater.assembly import EngineJob
+from lowwater.eval.samples import transcript
 from lowwater.rollout import Rollout
 
 
@@ -22,7 +23,13 @@ class EvalJob(EngineJob):
     Args:
         config: :meth:`lowwater.assembly.EngineConfig.to_json` of the parent's settings.
         upstream_url: the model server's base URL (ends in ``/v1``).
+        samples: add each rollout's transcript to its row under ``"sample"``
+            (the parent writes it to the samples file and drops it).
     """
+
+    def __init__(self, config: dict[str, Any], upstream_url: str, *, samples: bool = False) -> None:
+        super().__init__(config, upstream_url)
+        self.samples = samples
 
     async def run(self, task_id: Any, attempt: int) -> list[dict[str, Any]]:
         """The rows of task ``task_id``: one per rollout (``group_size`` of them)."""
@@ -31,7 +38,10 @@ class EvalJob(EngineJob):
         rows: list[dict[str, Any]] = []
 
         async def on_result(rollout: Rollout) -> None:
-            rows.append(rollout.result())
+            row = rollout.result()
+            if self.samples:  # built while the engine still holds the trajectory
+                row["sample"] = transcript(rollout)
+            rows.append(row)
 
         try:
             if self.config.group_size == 1:
@@ -47,6 +57,6 @@ class EvalJob(EngineJob):
         return rows
 
 
-def make_job(config: dict[str, Any], upstream_url: str) -> EvalJob:
+def make_job(config: dict[str, Any], upstream_url: str, samples: bool = False) -> EvalJob:
     """The :class:`~lowwater.workers.JobSpec` factory."""
-    return EvalJob(config, upstream_url)
+    return EvalJob(config, upstream_url, samples=samples)

@@ -26,15 +26,18 @@ import orjson
 import trio
 
 from lowwater._native import LowwaterError
+from lowwater.eval.header import HEADER_TYPE, differences
 from lowwater.jsonl import LineFile, LineWriteError, write_atomic
 
-HEADER_TYPE = "lowwater.eval.header"
+#: The last line of a finished run: its summary and memory record (see :func:`summary_line`).
+SUMMARY_TYPE = "lowwater.eval.summary"
 
 
 class ResultsFileError(LowwaterError):
     """The results file cannot be resumed: not a lowwater results file, a
-    different environment, or a malformed line before the last one (its
-    1-based line number is in the message)."""
+    different run (the settings that differ are in the message), or a
+    malformed line before the last one (its 1-based line number is in the
+    message)."""
 
 
 @attrs.define
@@ -46,19 +49,22 @@ class ResumeState:
         attempts: task id -> eval runs that attempted it so far.
         kept_rows: the rows kept from the file (to seed the summary).
         dropped_torn_line: whether a torn last line was removed.
+        fresh: the file did not exist (or was empty) before this run.
     """
 
     done: set[Any] = attrs.field(factory=set)
     attempts: dict[Any, int] = attrs.field(factory=dict)
     kept_rows: list[dict[str, Any]] = attrs.field(factory=list)
     dropped_torn_line: bool = False
+    fresh: bool = True
 
 
 def read_rows(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any]], bool]:
     """``(header, rows, torn)`` of a results file.
 
     A last line without its newline, or that does not parse, is a torn
-    write and is reported as ``torn=True`` (not an error).
+    write and is reported as ``torn=True`` (not an error).  Summary lines
+    (:data:`SUMMARY_TYPE`) are not rows; :func:`read_summary` reads them.
 
     Raises:
         ResultsFileError: a malformed line before the last one.
@@ -85,11 +91,28 @@ def read_rows(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any]], 
             raise ResultsFileError(f"{path}: line {number} is not valid JSON ({exc})") from None
         if not isinstance(obj, dict):
             raise ResultsFileError(f"{path}: line {number} is not a JSON object")
-        if obj.get("type") == HEADER_TYPE:
+        kind = obj.get("type")
+        if kind == HEADER_TYPE:
             header = header or obj
-        else:
+        elif kind != SUMMARY_TYPE:
             rows.append(obj)
     return header, rows, torn
+
+
+def read_summary(path: Path) -> dict[str, Any] | None:
+    """The summary line a finished run appended last (``None``: the run did
+    not finish, or was resumed and has not finished since).  Reads only the
+    file's tail: the summary is its last line."""
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        f.seek(max(0, size - (4 << 20)))  # the memory record is bounded (a few hundred KiB at most)
+        tail = f.read()
+    lines = tail.rstrip(b"\n").rsplit(b"\n", 1)
+    try:
+        obj = orjson.loads(lines[-1])
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) and obj.get("type") == SUMMARY_TYPE else None
 
 
 def prepare(path: Path, header: dict[str, Any], *, resume: bool, group_size: int, max_attempts: int) -> ResumeState:
@@ -102,20 +125,28 @@ def prepare(path: Path, header: dict[str, Any], *, resume: bool, group_size: int
     they run again.  The file is rewritten atomically with the header and
     the kept rows.
 
+    Every check runs before anything is written: a refused resume leaves
+    the file exactly as it was.
+
     Raises:
         ResultsFileError: the file exists without ``resume``, is not a
-            results file, or belongs to another environment.
+            results file, or was written by a run with different defining
+            settings (:data:`lowwater.eval.header.DEFINING_KEYS`; the
+            message lists each change as ``key old -> new``).
     """
     state = ResumeState()
     if path.exists() and path.stat().st_size > 0:
         if not resume:
             raise ResultsFileError(f"{path} exists; pass --resume to continue it or choose another --out")
+        state.fresh = False
         old_header, rows, state.dropped_torn_line = read_rows(path)
         if old_header is None:
             raise ResultsFileError(f"{path} has no lowwater header line; not a results file")
-        if old_header.get("env") != header.get("env"):
+        changed = differences(old_header, header)
+        if changed:
             raise ResultsFileError(
-                f"{path} holds results of environment {old_header.get('env')!r}, not {header.get('env')!r}"
+                f"{path} was written by a different run ({'; '.join(changed)}); "
+                "resume with its settings or choose another --out"
             )
         by_task: dict[Any, list[dict[str, Any]]] = defaultdict(list)
         for row in rows:

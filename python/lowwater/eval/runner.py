@@ -9,6 +9,8 @@ running totals, not results); run metadata is one header line.
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import logging
 import time
 import uuid
@@ -23,8 +25,11 @@ import trio
 from lowwater import _validate as v
 from lowwater import plugins as plugins_mod
 from lowwater.assembly import EngineConfig, open_engine
-from lowwater.environment import HARNESSES, Environment, Task
-from lowwater.eval.results import ResultsWriter, prepare
+from lowwater.environment import HARNESSES, Environment, Task, declared_options
+from lowwater.eval import metrics
+from lowwater.eval.header import build_header
+from lowwater.eval.results import SUMMARY_TYPE, ResultsWriter, prepare
+from lowwater.eval.samples import SamplesWriter, encode, samples_path, transcript
 from lowwater.memory import MemoryRecord, Trimmer, rss_bytes
 from lowwater.rollout import ERROR_CLASSES, Engine, Rollout
 from lowwater.upstream.spec import ModelSpec, model_server
@@ -44,7 +49,19 @@ SUMMARY_KEYS = (
     "rss_baseline_mb",
     "rss_peak_mb",
     "rss_resting_mb",
+    "leftovers",
+    "accuracy_stderr",
+    "accuracy_ci95",
+    "tasks",
+    "pass_at_k",
+    "pass_hat_k",
+    "error_rate",
+    "top_errors",
 )
+
+
+def _tuple(items: Any) -> tuple[Any, ...]:
+    return tuple(items)
 
 
 @attrs.frozen
@@ -55,7 +72,14 @@ class EvalConfig:
         env: environment name (``register_environments``).
         env_options: options for the environment's factory (``--data`` ...).
         model: the resolved ``--model``.
-        rollouts: tasks to run from the start of the taskset (``None``: all).
+        sampling: sampling arguments added to every model call the agent
+            makes (``--temperature``, ``--top-p``, ``--max-tokens``, ``-S``);
+            a key the agent's request sets itself is left as the agent set it.
+        rollouts: tasks to run (``None``: all from ``start`` on).
+        start: 0-based position in the taskset of the first task to run
+            (``--limit START-END``).
+        task_ids: run exactly these tasks, looked up by id (``--task-ids``);
+            excludes ``rollouts`` and ``start``.
         group_size: rollouts per task (a group when > 1).
         concurrency: rollouts in flight at once.
         max_turns: model calls per rollout.
@@ -81,6 +105,10 @@ class EvalConfig:
             ``auto`` or ``HOST:PORT``).
         pass_env: host variables passed to agent programs and scripts beyond
             the runtime's allow-list (``--pass-env``).
+        samples: write every rollout's transcript to :attr:`samples_path`
+            (``--no-samples`` turns it off).
+        max_error_rate: the share of rollouts (0 to 1) that may end in an
+            error before ``lowwater eval`` exits non-zero.
 
     Raises:
         ValueError: a setting out of range (the message names its flag).
@@ -89,7 +117,10 @@ class EvalConfig:
     env: str = "arithmetic"
     env_options: dict[str, Any] = attrs.field(factory=dict)
     model: ModelSpec = ModelSpec("scripted", "scripted")
+    sampling: dict[str, Any] = attrs.field(factory=dict)
     rollouts: int | None = attrs.field(default=None, validator=v.optional(v.at_least(0, "rollouts")))
+    start: int = attrs.field(default=0, validator=v.at_least(0, "limit start"))
+    task_ids: tuple[Any, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(_tuple))
     group_size: int = attrs.field(default=1, validator=v.at_least(1, "group-size"))
     concurrency: int = attrs.field(default=32, validator=v.at_least(1))
     max_turns: int = attrs.field(default=16, validator=v.at_least(1, "max-turns"))
@@ -110,11 +141,23 @@ class EvalConfig:
     max_rss_mb: float | None = attrs.field(default=None, validator=v.optional(v.positive("max-rss-mb")))
     high_water_mb: float | None = attrs.field(default=None, validator=v.optional(v.positive("high-water-mb")))
     pass_env: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    samples: bool = True
+    max_error_rate: float = attrs.field(default=0.0)
 
     @backend.validator
     def _check_backend(self, _attribute: Any, value: str) -> None:
         if value != "local" and self.workers < 1:
             raise ValueError(f"--backend {value} runs env workers: give --workers K (worker processes per node)")
+
+    @max_error_rate.validator
+    def _check_rate(self, _attribute: Any, value: float) -> None:
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"max-error-rate must be between 0 and 1, not {value!r}")
+
+    @property
+    def samples_path(self) -> Path | None:
+        """The samples file beside :attr:`out` (``None`` with ``samples=False``)."""
+        return samples_path(self.out) if self.samples else None
 
     def engine(self) -> EngineConfig:
         """The settings that define this run's engines (here or in each worker)."""
@@ -129,51 +172,98 @@ class EvalConfig:
             harness=self.harness,
             persistent=self.persistent,
             pass_env=self.pass_env,
+            sampling=self.sampling,
         )
 
 
 class Totals:
-    """Running totals for the summary (no result is kept)."""
+    """Running totals for the summary (no result is kept).
 
-    def __init__(self) -> None:
+    Args:
+        group_size: rollouts per task; above 1, two ints per task are kept
+            for pass@k and the clustered standard error.
+
+    Attributes:
+        planned: rollouts this invocation expects to run (``None``: unknown);
+            the progress bar's total.
+    """
+
+    def __init__(self, group_size: int = 1) -> None:
         self.rollouts = 0
         self.completed = 0
         self.correct = 0
         self.reward_sum = 0.0
         self.turns_sum = 0
         self.errors: Counter[str] = Counter()
+        self.messages = metrics.ErrorMessages()
+        self.group_size = group_size
+        self.tasks = metrics.TaskCounts() if group_size > 1 else None
         self.this_run = 0
+        self.planned: int | None = None
 
     def add(self, row: dict[str, Any], *, this_run: bool) -> None:
         self.rollouts += 1
         self.this_run += this_run
         self.turns_sum += int(row.get("turns") or 0)
         error = row.get("error")
+        correct = False
         if error:
-            self.errors[error.get("class", "infra")] += 1
-            return
-        self.completed += 1
-        self.reward_sum += float(row.get("reward") or 0.0)
-        self.correct += bool((row.get("metrics") or {}).get("correct"))
+            cls = error.get("class", "infra")
+            self.errors[cls] += 1
+            self.messages.add(cls, str(error.get("message") or ""))
+        else:
+            self.completed += 1
+            self.reward_sum += float(row.get("reward") or 0.0)
+            correct = bool((row.get("metrics") or {}).get("correct"))
+            self.correct += correct
+        if self.tasks is not None:
+            self.tasks.add(row.get("task_id"), correct)
 
-    def summary(self, wall_s: float, memory: dict[str, float]) -> dict[str, Any]:
+    @property
+    def reward_mean(self) -> float:
+        """Mean reward over completed rollouts so far (0 before any)."""
+        return self.reward_sum / self.completed if self.completed else 0.0
+
+    def summary(
+        self, wall_s: float, memory: dict[str, float], leftovers: dict[str, int] | None = None
+    ) -> dict[str, Any]:
         """The ``--summary-json`` figures (see :data:`SUMMARY_KEYS`).
 
         ``accuracy`` is correct rollouts over all rollouts (an errored
         rollout counts as wrong); ``reward_mean`` is over completed ones;
-        ``rollouts_per_s`` counts this run's rollouts only.
+        ``rollouts_per_s`` counts this run's rollouts only.  See
+        :mod:`lowwater.eval.metrics` for the standard error, the interval
+        and pass@k / pass^k (``None`` with group size 1).
         """
         n = self.rollouts
+        accuracy = self.correct / n if n else 0.0
+        errors = sum(self.errors.values())
+        if self.tasks is not None:
+            stderr = self.tasks.stderr()
+            k = self.group_size
+            pass_at: dict[str, float | None] | None = {"1": self.tasks.pass_at(1), str(k): self.tasks.pass_at(k)}
+            pass_hat: dict[str, float | None] | None = {"1": self.tasks.pass_hat(1), str(k): self.tasks.pass_hat(k)}
+            tasks = len(self.tasks)
+        else:
+            stderr, pass_at, pass_hat, tasks = metrics.binary_stderr(n, self.correct), None, None, n
         return {
             "rollouts": n,
             "completed": self.completed,
-            "errors": sum(self.errors.values()),
-            "accuracy": self.correct / n if n else 0.0,
-            "reward_mean": self.reward_sum / self.completed if self.completed else 0.0,
+            "errors": errors,
+            "accuracy": accuracy,
+            "reward_mean": self.reward_mean,
             "turns_mean": self.turns_sum / n if n else 0.0,
             "wall_s": round(wall_s, 3),
             "rollouts_per_s": round(self.this_run / wall_s, 3) if wall_s > 0 else 0.0,
             **memory,
+            "leftovers": leftovers or {},
+            "accuracy_stderr": None if stderr is None else round(stderr, 6),
+            "accuracy_ci95": metrics.interval95(accuracy, stderr),
+            "tasks": tasks,
+            "pass_at_k": pass_at,
+            "pass_hat_k": pass_hat,
+            "error_rate": errors / n if n else 0.0,
+            "top_errors": self.messages.top(5),
         }
 
 
@@ -184,7 +274,8 @@ class EvalReport:
     when nothing leaked).
 
     ``tasks_available`` is set when ``-n`` asked for more tasks than the
-    taskset has: the number it has (all of which ran).
+    taskset has: the number it has (all of which ran).  ``run_id`` is the
+    header's.
     """
 
     summary: dict[str, Any]
@@ -194,15 +285,48 @@ class EvalReport:
     leftovers: dict[str, int]
     pool: dict[str, Any] | None = None
     tasks_available: int | None = None
+    run_id: str = ""
+
+
+def check_options(name: str, factory: Any, options: dict[str, Any]) -> None:
+    """Refuse option keys the environment's factory does not declare
+    (:func:`lowwater.environment.declared_options`); ``seed`` is always
+    accepted (every run passes it).  Factories that declare nothing accept anything.
+
+    Raises:
+        ValueError: an undeclared key (with the closest declared one, if any).
+    """
+    declared = declared_options(factory)
+    if declared is None:
+        return
+    for key in options:
+        if key == "seed" or key in declared:
+            continue
+        close = difflib.get_close_matches(key, list(declared), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        known = ", ".join(sorted(declared)) or "none"
+        raise ValueError(
+            f"environment {name!r} has no option {key!r}{hint} (its options: {known}; see `lowwater envs`)"
+        )
+
+
+def parse_task_id(text: str) -> str | int:
+    """A ``--task-ids`` item: an int when it is one (dataset row indices), else the string."""
+    text = text.strip()
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 class TaskFeed:
-    """The run's tasks, pulled lazily from the taskset: the first
-    ``config.rollouts`` of them (all when ``None``), minus those already
-    done (``--resume``).
+    """The run's tasks, pulled lazily from the taskset: ``config.task_ids``
+    looked up by id, or ``config.rollouts`` of them from position
+    ``config.start`` (all when ``None``), minus those already done
+    (``--resume``).
 
     Attributes:
-        seen: taskset tasks examined so far (done ones included).
+        seen: tasks of the selection examined so far (done ones included).
         exhausted: the taskset ended before ``config.rollouts`` tasks.
     """
 
@@ -211,9 +335,46 @@ class TaskFeed:
         self.seen = 0
         self.exhausted = False
 
+    def check_ids(self) -> None:
+        """Look every ``--task-ids`` id up once, before any model is started.
+
+        Raises:
+            ValueError: the taskset has no such task (the message names it).
+        """
+        for task_id in self.config.task_ids or ():
+            try:
+                self.env.task(task_id)
+            except KeyError as exc:
+                message = exc.args[0] if exc.args else task_id
+                raise ValueError(f"--task-ids: {message}") from None
+
+    def planned_tasks(self) -> int | None:
+        """Tasks this run will start (``None``: the taskset's size is unknown)."""
+        config = self.config
+        if config.task_ids is not None:
+            return sum(1 for t in config.task_ids if t not in self.done)
+        size = self.env.task_count()
+        count = config.rollouts
+        if size is not None:
+            available = max(0, size - config.start)
+            count = available if count is None else min(count, available)
+        if count is None:
+            return None
+        end = config.start + count
+        done = sum(1 for t in self.done if isinstance(t, int) and config.start <= t < end)
+        return max(0, count - done)
+
     def __iter__(self) -> Iterator[Task]:
-        limit = self.config.rollouts
-        for task in self.env.tasks():
+        if self.config.task_ids is not None:
+            for task_id in self.config.task_ids:
+                self.seen += 1
+                if task_id not in self.done:
+                    yield self.env.task(task_id)
+            return
+        limit, start = self.config.rollouts, self.config.start
+        for position, task in enumerate(self.env.tasks()):
+            if position < start:
+                continue
             if limit is not None and self.seen >= limit:
                 return
             self.seen += 1
@@ -227,79 +388,129 @@ async def run_eval(
     *,
     plugins: plugins_mod.Plugins | None = None,
     on_progress: Callable[[Totals, int], None] | None = None,
+    record: MemoryRecord | None = None,
 ) -> EvalReport:
     """Run the eval described by ``config``.
 
     ``on_progress(totals, rss_bytes)`` is called on every tick and after
     every row.  Cancellation (Ctrl-C) cancels in-flight rollouts; their rows
-    are still written with error class ``cancelled``.
+    are still written with error class ``cancelled``.  ``record`` is the
+    run's memory record when the caller sampled its baseline earlier
+    (``lowwater eval`` does, before anything heavy is imported).
+
+    A run that fails or is cancelled before its first row leaves no file
+    behind (a header-only results file said a run existed that never ran);
+    on a finished run the summary and memory record are appended as the
+    results file's last line (:data:`~lowwater.eval.results.SUMMARY_TYPE`).
 
     Raises:
         lowwater.plugins.UnknownName: unknown environment.
         lowwater.eval.results.ResultsFileError: ``out`` cannot be (re)used.
         lowwater.upstream.spec.UpstreamError: the model cannot be started/reached.
-        ValueError: bad environment options.
+        ValueError: bad environment options or task ids.
     """
+    record = record if record is not None else MemoryRecord()
     plugins = plugins or plugins_mod.load()
-    env: Environment = plugins.environment(config.env)(config.env_options)
+    factory = plugins.environment(config.env)
+    check_options(config.env, factory, config.env_options)
     if config.workers:
         plugins.backend(config.backend)  # an unknown --backend fails before anything starts
+    env: Environment = factory(config.env_options)
     run_id = uuid.uuid4().hex[:12]
-    header = {
-        "type": "lowwater.eval.header",
-        "run_id": run_id,
-        "env": config.env,
-        "env_options": {k: str(v) for k, v in config.env_options.items()},
-        "model": config.model.name,
-        "harness": config.harness,
-        "group_size": config.group_size,
-        "max_turns": config.max_turns,
-        "seed": config.seed,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    state = prepare(
-        config.out, header, resume=config.resume, group_size=config.group_size, max_attempts=config.max_attempts
-    )
-    totals = Totals()
+    header = build_header(config, run_id)
+    try:
+        state = prepare(
+            config.out, header, resume=config.resume, group_size=config.group_size, max_attempts=config.max_attempts
+        )
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await env.aclose()
+        raise
+    totals = Totals(config.group_size)
     for row in state.kept_rows:
         totals.add(row, this_run=False)
     state.kept_rows.clear()  # counted; not kept
-    record = MemoryRecord()
     started = time.perf_counter()
     writer = ResultsWriter(config.out)
+    samples = SamplesWriter(config.samples_path, run_id, config.out.name) if config.samples_path else None
     feed = TaskFeed(env, config, state.done)
 
-    async def write(row: dict[str, Any], attempt: int = 1) -> None:
+    async def write(row: dict[str, Any], attempt: int = 1, sample: bytes | None = None) -> None:
         row["run_id"] = run_id
         row["attempts"] = state.attempts.get(row.get("task_id"), 0) + attempt
+        if sample is not None and samples is not None:
+            # The transcript goes first: a row in the results file always has its transcript.
+            await samples.write(sample)
         await writer.write(row)
         totals.add(row, this_run=True)
         if on_progress is not None:
             on_progress(totals, record.last_bytes)
 
     pool_report = None
+    finished = False
     try:
+        feed.check_ids()
+        planned = feed.planned_tasks()
+        totals.planned = None if planned is None else planned * config.group_size
         async with model_server(config.model) as upstream_url:
             if config.workers:
                 pool_report = await _run_pooled(
-                    config, env, upstream_url, feed, record, totals, write, on_progress, plugins=plugins
+                    config,
+                    env,
+                    upstream_url,
+                    feed,
+                    record,
+                    totals,
+                    write,
+                    on_progress,
+                    samples is not None,
+                    plugins=plugins,
                 )
-                leftovers = {}
+                # What the workers reported as they exited (summed over workers).
+                leftovers = dict(pool_report.get("leftovers") or {})
             else:
                 leftovers = await _run_here(
-                    config, env, plugins, upstream_url, feed, record, totals, write, on_progress
+                    config, env, plugins, upstream_url, feed, record, totals, write, on_progress, samples is not None
                 )
+        finished = True
     finally:
         writer.close()
+        if samples is not None:
+            samples.close()
+        if not finished and state.fresh and writer.rows_written == 0:
+            # Nothing ran: a header-only file would claim a run that never happened.
+            with contextlib.suppress(OSError):
+                config.out.unlink()
         with trio.CancelScope(shield=True):
             await env.aclose()
+    record.add(finished=totals.this_run, keep=True)  # the end of the work, before the drain
     wall_s = time.perf_counter() - started
     # Resting RSS: after the run's structures are gone and the allocator trimmed.
     await trio.to_thread.run_sync(Trimmer(0.0))
-    resting = record.add(finished=totals.this_run)
-    summary = totals.summary(wall_s, record.summary(resting))
+    resting = record.add(finished=totals.this_run, keep=True)
+    # Per-rollout state still alive after the run (non-zero counts only): a
+    # leak in this process or in any env worker shows up here, not only in a log.
+    summary = totals.summary(wall_s, record.summary(resting), {k: v for k, v in leftovers.items() if v})
+    await _append_summary(config.out, run_id, summary, record)
     available = feed.seen if feed.exhausted else None
-    return EvalReport(summary, dict(totals.errors), record, config.out, leftovers, pool_report, available)
+    return EvalReport(summary, dict(totals.errors), record, config.out, leftovers, pool_report, available, run_id)
+
+
+async def _append_summary(path: Path, run_id: str, summary: dict[str, Any], record: MemoryRecord) -> None:
+    """The finished run's summary and memory record, as the results file's last line
+    (what ``lowwater view`` plots); a resume drops it and appends its own."""
+    line = {"type": SUMMARY_TYPE, "run_id": run_id, "summary": summary, "memory": record.to_json()}
+    with ResultsWriter(path) as writer:
+        await writer.write(line)
+
+
+async def _sample_memory(record: MemoryRecord, totals: Totals, on_progress: Any) -> None:
+    """RSS samples on the record's adaptive interval (often early, rarer as the run grows)."""
+    while True:
+        await trio.sleep(record.interval_s())
+        record.add(rss_bytes(), totals.this_run)
+        if on_progress is not None:
+            on_progress(totals, record.last_bytes)
 
 
 async def _run_here(
@@ -312,19 +523,22 @@ async def _run_here(
     totals: Totals,
     write: Any,
     on_progress: Any,
+    with_samples: bool,
 ) -> dict[str, int]:
     """Every rollout in this process; returns the engine's final stats."""
     async with open_engine(config.engine(), env, plugins, upstream_url) as (engine, server):
 
         async def on_result(rollout: Rollout) -> None:
-            await write(rollout.result())
+            # Runs before the engine evicts the trajectory: the transcript is
+            # encoded from it here and the bytes dropped once written.
+            sample = encode(transcript(rollout)) if with_samples else None
+            await write(rollout.result(), sample=sample)
 
         async def tick() -> None:
             while True:
                 await trio.sleep(config.tick_s)
-                rss = rss_bytes()
                 stats = {
-                    "rss_bytes": rss,
+                    "rss_bytes": rss_bytes(),
                     "in_flight": engine.in_flight,
                     "finished": totals.this_run,
                     "intercepts": server.table.stats(),
@@ -332,13 +546,10 @@ async def _run_here(
                     "memory_record": record,
                 }
                 await plugins.fire("worker_tick", stats=stats)
-                if "rss-sampling" not in plugins.cleanup_policies:
-                    record.add(rss, totals.this_run)
-                if on_progress is not None:
-                    on_progress(totals, record.last_bytes)
 
         async with trio.open_nursery() as ticker:
             ticker.start_soon(tick)
+            ticker.start_soon(_sample_memory, record, totals, on_progress)
             await _run_tasks(engine, tasks, config, on_result)
             await plugins.fire("shutdown")
             ticker.cancel_scope.cancel()
@@ -354,6 +565,7 @@ async def _run_pooled(
     totals: Totals,
     write: Any,
     on_progress: Any,
+    with_samples: bool,
     *,
     plugins: plugins_mod.Plugins,
 ) -> dict[str, Any]:
@@ -369,7 +581,10 @@ async def _run_pooled(
 
     backend = open_backend(plugins, config.backend, BackendOptions(config.address))
     per_worker = max(1, -(-config.concurrency // (config.group_size * config.workers)))
-    spec = JobSpec("lowwater.eval.job:make_job", {"config": config.engine().to_json(), "upstream_url": upstream_url})
+    spec = JobSpec(
+        "lowwater.eval.job:make_job",
+        {"config": config.engine().to_json(), "upstream_url": upstream_url, "samples": with_samples},
+    )
     pool_config = PoolConfig(
         workers=config.workers,
         concurrency_per_worker=per_worker,
@@ -402,19 +617,13 @@ async def _run_pooled(
                 for _ in range(config.group_size)
             ]
         for row in rows:
+            sample = row.pop("sample", None)
             if info.retried:
                 row["retried"] = True
-            await write(row, info.attempt)
-
-    async def tick() -> None:
-        while True:
-            await trio.sleep(config.tick_s)
-            record.add(rss_bytes(), totals.this_run)
-            if on_progress is not None:
-                on_progress(totals, record.last_bytes)
+            await write(row, info.attempt, None if sample is None else encode(sample))
 
     async with trio.open_nursery() as ticker:
-        ticker.start_soon(tick)
+        ticker.start_soon(_sample_memory, record, totals, on_progress)
         report = await pool.run((task.id for task in tasks), on_rows)
         ticker.cancel_scope.cancel()
     return report.to_json()

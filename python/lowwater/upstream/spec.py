@@ -52,7 +52,7 @@ def parse_model(model: str, model_url: str | None = None, api_key_env: str | Non
 
     Raises:
         UpstreamError: a replay spec without ``#COLUMN`` or whose file does
-            not exist, a URL without a model name, or an unset key variable.
+            not exist, a replay spec given with a URL, or an unset key variable.
     """
     api_key = None
     if api_key_env:
@@ -60,8 +60,14 @@ def parse_model(model: str, model_url: str | None = None, api_key_env: str | Non
         if not api_key:
             raise UpstreamError(f"environment variable {api_key_env} (from --api-key-env) is not set")
     if model_url:
-        if model in ("scripted",) or model.startswith("replay:"):
-            raise UpstreamError("--model-url needs --model NAME (the served model's name)")
+        # With a URL, --model is the served model's name ("scripted" and
+        # "replay:COLUMN" are what serve-model serves); only a replay *spec*
+        # (PATH#COLUMN) is a mistake: lowwater serves that itself.
+        if model.startswith("replay:") and "#" in model:
+            raise UpstreamError(
+                f"--model {model} is served in-process by lowwater (a serve-model child) and takes no --model-url; "
+                "with --model-url, --model names the model that server serves (see its GET /v1/models)"
+            )
         return ModelSpec("url", model, model_url.rstrip("/"), api_key)
     if model == "scripted":
         return ModelSpec("scripted", "scripted")
@@ -192,14 +198,45 @@ async def _stop(process: trio.Process) -> None:
 
 
 async def probe(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> None:
-    """Check that an OpenAI-compatible server answers at ``url``.
+    """Check that an OpenAI-compatible server answers at ``url`` *on its API routes*.
+
+    ``GET {url}/models`` is tried first; a 404 there is checked further,
+    since a base URL pasted without ``/v1`` reaches the server but every
+    call then fails with 404 (retried three times per rollout, every rollout
+    of the run an error): if ``{url}/v1/models`` answers, the error says
+    ``did you mean {url}/v1?``; if the chat route
+    (``POST {url}/chat/completions`` with an empty body) is missing too, the
+    base URL is wrong.  A server without ``/models`` whose chat route exists
+    (it answers the empty body with a 4xx other than 404) passes.
 
     Raises:
-        UpstreamError: it cannot be connected to (any HTTP answer counts as reachable).
+        UpstreamError: it cannot be connected to, or has no API route at ``url``.
     """
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         async with httpx.AsyncClient(timeout=timeout_s) as client:
-            await client.get(f"{url}/models", headers=headers)
+            answer = await client.get(f"{url}/models", headers=headers)
+            if answer.status_code != 404:
+                return
+            if not url.rstrip("/").endswith("/v1"):
+                nested = await _status(client, "GET", f"{url}/v1/models", headers)
+                if nested is not None and nested < 400:
+                    raise UpstreamError(
+                        f"model server {url} has no route GET {url}/models (HTTP 404); did you mean {url}/v1?"
+                    )
+            chat = await _status(client, "POST", f"{url}/chat/completions", headers)
+            if chat == 404:
+                raise UpstreamError(
+                    f"model server {url} answers 404 to GET {url}/models and POST {url}/chat/completions: "
+                    "--model-url must be the OpenAI base URL (it usually ends in /v1)"
+                )
     except httpx.HTTPError as exc:
         raise UpstreamError(f"model server {url} is unreachable: {type(exc).__name__}: {exc}") from None
+
+
+async def _status(client: httpx.AsyncClient, method: str, url: str, headers: dict[str, str]) -> int | None:
+    try:
+        answer = await client.request(method, url, headers=headers, json={} if method == "POST" else None)
+    except httpx.HTTPError:
+        return None
+    return answer.status_code

@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from lowwater.environment import Environment, HarnessContext, Score, Task
+from lowwater.environment import Environment, EnvOption, HarnessContext, Score, Task
 from lowwater.harness import final_answer, run_calculator_agent
 from lowwater.rollout import Rollout, RolloutFailed
 
@@ -97,6 +97,12 @@ class GSM8KEnvironment(Environment):
     def tasks(self) -> Iterator[Task]:
         return read_tasks(self.data)
 
+    def task_count(self) -> int:
+        """Rows in the data file (builds the 12-byte-per-row index once)."""
+        if self._index is None:
+            self._index = index_rows(self.data)
+        return len(self._index[0])
+
     def task(self, task_id: str | int) -> Task:
         """Row ``task_id`` (0-based), read with one seek: env workers re-run
         tasks from their ids, and scanning the file per task would make a
@@ -145,3 +151,8 @@ def make(options: dict[str, Any]) -> GSM8KEnvironment:
     if not options.get("data"):
         raise DataError("gsm8k needs --data PATH (GSM8K test.jsonl from github.com/openai/grade-school-math)")
     return GSM8KEnvironment(Path(options["data"]))
+
+
+make.options = {  # type: ignore[attr-defined]
+    "data": EnvOption(None, "path of GSM8K's test.jsonl (also --data)", required=True),
+}
