@@ -18,6 +18,7 @@ from typing import Any
 # lazily so ``lowwater demo`` never pays for the HTTP stack.
 SUBCOMMANDS = [
     "lowwater.commands.eval",
+    "lowwater.commands.score",
     "lowwater.commands.envs",
     "lowwater.commands.serve_model",
     "lowwater.commands.demo",
