@@ -159,8 +159,8 @@ async def rescore(
                     continue
                 sample = orjson.loads(read_sample(samples, loc))
                 rollouts.append((i, _rollout(sample, _task(sample))))
-            for _, rollout in rollouts:
-                await _score(env, rollout, pool, config)
+            for _, member in rollouts:
+                await _score(env, member, pool, config)
             if len(rollouts) > 1:
                 await _group_reward(env, [r for _, r in rollouts])
             scored = dict(rollouts)
