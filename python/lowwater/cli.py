@@ -19,6 +19,7 @@ from typing import Any
 SUBCOMMANDS = [
     "lowwater.commands.eval",
     "lowwater.commands.score",
+    "lowwater.commands.view",
     "lowwater.commands.envs",
     "lowwater.commands.serve_model",
     "lowwater.commands.demo",
