@@ -24,3 +24,21 @@ from lowwater.redact import redact_url
 def test_redact_url(text, expected):
     assert redact_url(text) == expected
     assert "s3cret" not in redact_url(text)
+
+
+def test_the_eval_probe_error_names_the_server_without_its_password():
+    import trio
+
+    from lowwater.upstream.spec import UpstreamError, probe
+
+    async def main():
+        listener = trio.socket.socket()
+        await listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        listener.close()
+        with pytest.raises(UpstreamError) as caught:
+            await probe(f"http://user:s3cret@127.0.0.1:{port}/v1", timeout_s=5)
+        return str(caught.value)
+
+    message = trio.run(main)
+    assert "unreachable" in message and "s3cret" not in message and "http://***@127.0.0.1" in message

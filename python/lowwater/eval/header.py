@@ -15,6 +15,8 @@ import importlib.metadata
 import time
 from typing import Any
 
+from lowwater.redact import redact_url
+
 HEADER_TYPE = "lowwater.eval.header"
 
 #: Header keys that define a run: resuming with any of them different is refused.
@@ -65,7 +67,7 @@ def build_header(config: Any, run_id: str) -> dict[str, Any]:
         "env_options": {k: str(v) for k, v in sorted(config.env_options.items())},
         "model": model.name,
         "model_kind": model.kind,
-        "model_url": model.url,
+        "model_url": redact_url(model.url) if model.url else model.url,  # never a password into the results
         "model_source": source,
         "sampling": dict(sorted(config.sampling.items())),
         "seed": config.seed,

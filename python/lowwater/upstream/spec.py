@@ -25,6 +25,7 @@ import httpx
 import trio
 
 from lowwater._native import LowwaterError
+from lowwater.redact import redact_url
 
 _URL = re.compile(rb"https?://[\w.\-\[\]:]+")
 
@@ -222,16 +223,20 @@ async def probe(url: str, api_key: str | None = None, timeout_s: float = 10.0) -
                 nested = await _status(client, "GET", f"{url}/v1/models", headers)
                 if nested is not None and nested < 400:
                     raise UpstreamError(
-                        f"model server {url} has no route GET {url}/models (HTTP 404); did you mean {url}/v1?"
+                        redact_url(
+                            f"model server {url} has no route GET {url}/models (HTTP 404); did you mean {url}/v1?"
+                        )
                     )
             chat = await _status(client, "POST", f"{url}/chat/completions", headers)
             if chat == 404:
                 raise UpstreamError(
-                    f"model server {url} answers 404 to GET {url}/models and POST {url}/chat/completions: "
-                    "--model-url must be the OpenAI base URL (it usually ends in /v1)"
+                    redact_url(
+                        f"model server {url} answers 404 to GET {url}/models and POST {url}/chat/completions: "
+                        "--model-url must be the OpenAI base URL (it usually ends in /v1)"
+                    )
                 )
     except httpx.HTTPError as exc:
-        raise UpstreamError(f"model server {url} is unreachable: {type(exc).__name__}: {exc}") from None
+        raise UpstreamError(redact_url(f"model server {url} is unreachable: {type(exc).__name__}: {exc}")) from None
 
 
 async def _status(client: httpx.AsyncClient, method: str, url: str, headers: dict[str, str]) -> int | None:
