@@ -16,6 +16,12 @@ default ``175b_verification``) by ``lowwater serve-model``:
 * **program**: ``lowwater eval gsm8k --harness program`` (the agent is a
   script using the official ``openai`` SDK, run inside a persistent runtime
   per rollout against its slot).
+* **inprocess_nosamples**: the in-process run with ``--no-samples``: the
+  same work without transcripts, so the in-process run's RSS minus this
+  one's is what writing every rollout's transcript costs the eval process
+  (``inprocess_samples_*_over_nosamples_mb``; the transcripts are written
+  and dropped per rollout, so the target is that it costs nothing beyond
+  allocator noise).
 
 Every run's wall time includes starting (and stopping) its model server.
 RSS figures are the summary's (current RSS, never a peak counter; resting is
@@ -28,7 +34,13 @@ compared with the column's recorded ``is_correct`` labels.
 
 Targets (issue "The main job"): in-process wall <= 2.5x direct, program
 harness <= 4x direct, each lowwater run's resting RSS within 16 MB of its
-baseline, agreement with the recorded labels >= 99 %.
+baseline, agreement with the recorded labels >= 99 %.  Issue "Eval users":
+the in-process run's process tree without its model server (the eval
+process, its runtimes and warm workers: ``inprocess_eval_tree_rss_peak_mb``)
+peaks at <= 130 MiB (warm workers sized to demand: one math-verify worker,
+not one per pooled runtime), and transcripts add <= 4 MiB to the eval
+process's peak and resting RSS.  ``*_tree_rss_peak_mb`` adds the model
+server (``serve-model`` replaying the solutions).
 
 Walls are medians over ``--rounds`` interleaved rounds (direct, in-process,
 program); the other figures are the last round's.
@@ -55,8 +67,9 @@ from _common import MIB, emit, progress, rss_bytes, target
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
 
-def lowwater_run(harness: str, a: argparse.Namespace, out_dir: Path) -> dict:
-    out, summary = out_dir / f"{harness}.jsonl", out_dir / f"{harness}.summary.json"
+def lowwater_run(name: str, a: argparse.Namespace, out_dir: Path) -> dict:
+    harness = name.split("_")[0]
+    out, summary = out_dir / f"{name}.jsonl", out_dir / f"{name}.summary.json"
     cmd = [
         sys.executable,
         "-m",
@@ -78,36 +91,49 @@ def lowwater_run(harness: str, a: argparse.Namespace, out_dir: Path) -> dict:
         "--summary-json",
         str(summary),
         "--no-progress",
+        *(["--no-samples"] if name.endswith("_nosamples") else []),
     ]
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
-        tree_peak = 0
+        tree_peak = eval_tree_peak = 0
         while proc.poll() is None:
-            tree_peak = max(tree_peak, tree_rss_bytes(proc.pid))
+            tree, eval_tree = tree_rss_bytes(proc.pid)
+            tree_peak, eval_tree_peak = max(tree_peak, tree), max(eval_tree_peak, eval_tree)
             time.sleep(0.2)
         if proc.returncode != 0:
             err.seek(0)
             sys.exit(f"lowwater eval ({harness}) failed:\n{err.read().decode(errors='replace')[-3000:]}")
-    return {"summary": json.loads(summary.read_text()), "agreement": agreement(out, a), "tree_peak": tree_peak}
+    samples = out.with_name(f"{name}.samples.jsonl")
+    return {
+        "summary": json.loads(summary.read_text()),
+        "agreement": agreement(out, a),
+        "tree_peak": tree_peak,
+        "eval_tree_peak": eval_tree_peak,
+        "samples_bytes": samples.stat().st_size if samples.exists() else 0,
+    }
 
 
-def tree_rss_bytes(pid: int) -> int:
+def tree_rss_bytes(pid: int) -> tuple[int, int]:
     """Current RSS of ``pid`` and all its descendants (model server, runtimes,
     warm workers): what the machine pays, which the summary's own-process
-    figures leave out."""
+    figures leave out; and the same without the ``serve-model`` child (the
+    model, not the eval: what ``*_eval_tree_rss_peak_mb`` reports)."""
     import psutil
 
-    total = 0
+    total = model = 0
     try:
         root = psutil.Process(pid)
         for proc in [root, *root.children(recursive=True)]:
             try:
-                total += proc.memory_info().rss
+                rss = proc.memory_info().rss
+                total += rss
+                if "serve-model" in proc.cmdline():
+                    model += rss
             except psutil.Error:
                 pass
     except psutil.Error:
         pass
-    return total
+    return total, total - model
 
 
 def agreement(out: Path, a: argparse.Namespace) -> dict:
@@ -116,7 +142,7 @@ def agreement(out: Path, a: argparse.Namespace) -> dict:
     with open(DATA / "example_model_solutions.jsonl", "rb") as f:
         for _, line in zip(range(a.tasks), f):
             labels.append(json.loads(line)[a.column]["is_correct"])
-    rows = [json.loads(line) for line in out.read_text().splitlines()[1:]]
+    rows = [row for row in map(json.loads, out.read_text().splitlines()) if "type" not in row]  # no header, summary
     by_task = {r["task_id"]: r for r in rows}
     disagree = [
         i for i, label in enumerate(labels) if bool(by_task.get(i, {}).get("metrics", {}).get("correct")) != label
@@ -207,7 +233,7 @@ def main() -> None:
         return direct_child(a)
 
     results: dict[str, float] = {}
-    walls: dict[str, list[float]] = {"direct": [], "inprocess": [], "program": []}
+    walls: dict[str, list[float]] = {"direct": [], "inprocess": [], "program": [], "inprocess_nosamples": []}
     for round_ in range(a.rounds):
         # Interleaved rounds (direct, in-process, program): a noisy neighbour
         # slows all three, not one (the direct run alone varied 5.7-9.6 s).
@@ -238,8 +264,8 @@ def main() -> None:
             }
         )
         with tempfile.TemporaryDirectory() as tmp:
-            for harness in ("inprocess", "program"):
-                progress(f"round {round_ + 1}/{a.rounds}: lowwater eval gsm8k --harness {harness}, {a.tasks} tasks")
+            for harness in ("inprocess", "program", "inprocess_nosamples"):
+                progress(f"round {round_ + 1}/{a.rounds}: lowwater eval gsm8k ({harness}), {a.tasks} tasks")
                 run = lowwater_run(harness, a, Path(tmp))
                 s, agree = run["summary"], run["agreement"]
                 walls[harness].append(s["wall_s"])
@@ -258,12 +284,18 @@ def main() -> None:
                         f"{harness}_rss_resting_mb": s["rss_resting_mb"],
                         f"{harness}_resting_over_baseline_mb": s["rss_resting_mb"] - s["rss_baseline_mb"],
                         f"{harness}_tree_rss_peak_mb": run["tree_peak"] / MIB,
+                        f"{harness}_eval_tree_rss_peak_mb": run["eval_tree_peak"] / MIB,
+                        f"{harness}_samples_bytes": run["samples_bytes"],
                     }
                 )
     for name, values in walls.items():
         results[f"{name}_wall_s"] = statistics.median(values)
-    for harness in ("inprocess", "program"):
+    for harness in ("inprocess", "program", "inprocess_nosamples"):
         results[f"{harness}_vs_direct_ratio"] = results[f"{harness}_wall_s"] / results["direct_wall_s"]
+    for figure in ("peak", "resting"):
+        results[f"inprocess_samples_{figure}_over_nosamples_mb"] = (
+            results[f"inprocess_rss_{figure}_mb"] - results[f"inprocess_nosamples_rss_{figure}_mb"]
+        )
     params = {"quick": a.quick, "tasks": a.tasks, "concurrency": a.concurrency, "column": a.column, "rounds": a.rounds}
     limits = {
         "inprocess_vs_direct_ratio": {"max": 2.5},
@@ -272,6 +304,9 @@ def main() -> None:
         "program_resting_over_baseline_mb": {"max": 16.0},
         "inprocess_agreement_ratio": {"min": 0.99},
         "program_agreement_ratio": {"min": 0.99},
+        "inprocess_eval_tree_rss_peak_mb": {"max": 130.0},
+        "inprocess_samples_peak_over_nosamples_mb": {"max": 4.0},
+        "inprocess_samples_resting_over_nosamples_mb": {"max": 4.0},
     }
     emit("eval_gsm8k", params, results, {k: target(results[k], **bound) for k, bound in limits.items()})
 

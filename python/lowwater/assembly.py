@@ -115,7 +115,9 @@ async def open_engine(
                 if config.persistent:
                     from lowwater.runtime import RuntimePool
 
-                    pool = RuntimePool(plugins.runtimes, max_size=pool_size(config.concurrency))
+                    # Sized to demand: scoring GSM8K needs one warm math-verify
+                    # worker, not one per pooled runtime (benches/eval_gsm8k.py).
+                    pool = RuntimePool(plugins.runtimes, max_size=pool_size(config.concurrency), grow="demand")
                 engine = Engine(
                     env,
                     server,

@@ -142,7 +142,7 @@ async def rescore(
     counts = {"rescored": 0, "changed": 0, "copied": 0}
     runtime = header.get("runtime") or {}
     config = RuntimeConfig(kind="subprocess", persistent=True, pass_env=tuple(runtime.get("pass_env") or ()))
-    pool = RuntimePool(plugins.runtimes, max_size=pool_size(concurrency))
+    pool = RuntimePool(plugins.runtimes, max_size=pool_size(concurrency), grow="demand")
     new_header = {**header, "run_id": f"{header.get('run_id')}-rescored", "rescored_from": header.get("run_id")}
     new_header["rescored"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     new_header["samples"] = None  # the transcripts stay the original run's
