@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 import numpy as np
+import pytest
 import trio
 
 from lowwater.http import serve
@@ -61,7 +62,9 @@ def test_grpo_advantages():
 
 
 def test_groups_in_env_workers_upload_their_shards_to_the_trainer(tmp_path):
-    """With workers the trainer process owns every shard; workers keep nothing."""
+    """With workers the trainer process owns every shard; workers keep
+    nothing, and the same workers serve every step (the pool lives as long
+    as the trainer)."""
     from multiprocessing import forkserver, resource_tracker
 
     import psutil
@@ -84,13 +87,51 @@ def test_groups_in_env_workers_upload_their_shards_to_the_trainer(tmp_path):
                 report = await lw.clear_batch(batch, consumers=[address])
                 assert report.leaked_bytes == 0 and lw.stats()["shards"]["entries"] == 0
                 assert lw.pool_reports[-1]["tasks"] == 3 and lw.pool_reports[-1]["failed_tasks"] == 0
+                pids.append({w["pid"] for w in lw.stats()["pool"]["workers"].values()})
             nursery.cancel_scope.cancel()
+        assert lw.pool_report["tasks"] == 6 and lw.pool_report["workers_started"] == 2
 
+    pids: list[set] = []
     try:
         trio.run(main)
-        # The batch's workers are gone once next_batch returns.
+        assert pids[0] == pids[1] and len(pids[0]) == 2  # kept across steps
+        # The workers are gone once the trainer is closed.
         server = [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
         assert all(not s.children() for s in server)
     finally:
         forkserver._forkserver._stop()  # test-only private API: later suites count child processes
         resource_tracker._resource_tracker._stop()
+
+
+def test_a_worker_due_to_retire_waits_until_its_step_is_cleared():
+    """max_tasks_per_worker=1: every worker is due to retire after one group,
+    yet none exits before the step it served is cleared."""
+    from multiprocessing import forkserver, resource_tracker
+
+    async def main():
+        config = TrainerConfig(group_size=2, concurrency=1, workers=1, max_tasks_per_worker=1)
+        async with Lowwater.open(config) as lw:
+            batch = await lw.next_batch(1)
+            served = lw.pool_reports[-1]
+            await trio.sleep(0.5)
+            workers = lw.stats()["pool"]["workers"]
+            retiree = [w for w in workers.values() if w["pinned"] == ["s0"]]
+            assert len(retiree) == 1 and retiree[0]["state"] == "retiring"
+            await lw.clear_batch(batch)
+            with trio.fail_after(30):
+                while any(w["pid"] == retiree[0]["pid"] for w in lw.stats()["pool"]["workers"].values()):
+                    await trio.sleep(0.05)
+            batch = await lw.next_batch(1)  # served by the replacement
+            assert batch.errors == 0 and served["tasks"] == 1
+            await lw.clear_batch(batch)
+
+    try:
+        trio.run(main)
+    finally:
+        forkserver._forkserver._stop()  # test-only private API: later suites count child processes
+        resource_tracker._resource_tracker._stop()
+
+
+def test_a_backend_other_than_local_needs_workers():
+    with pytest.raises(ValueError, match="backend 'ray' runs env workers"):
+        TrainerConfig(backend="ray")

@@ -39,6 +39,7 @@ from lowwater.assembly import EngineConfig
 from lowwater.environment import HARNESSES, Environment, Task
 from lowwater.http import serve
 from lowwater.rollout import Deadlines, Engine, Group
+from lowwater.trainer.pooled import GroupPool
 from lowwater.trainer.producer import group_shards
 from lowwater.trainer.shards import DrainReport, ShardRef, ShardStore, clear_batch
 from lowwater.upstream.spec import ModelSpec, model_server
@@ -64,13 +65,27 @@ class TrainerConfig:
         harness: ``"inprocess"`` or ``"program"``.
         request_logprobs: ask the upstream for token ids and logprobs on every
             intercepted call (trainers need them; evals do not).
-        workers: env worker processes (0: every group in this process).
-            With workers, each batch's groups run in a
-            :class:`~lowwater.workers.WorkerPool` started for the batch;
-            each worker uploads its groups' shards to this process's shard
-            store, so this process owns every shard and a worker that dies
-            loses nothing (its group is re-run from the task id).
+        workers: env worker processes (0: every group in this process;
+            per node on a multi-node backend).  With workers, the groups run
+            in one pool of the configured backend that lives as long as this
+            :class:`Lowwater`: workers are kept across steps, and one due to
+            retire (``max_rss_mb``, ``max_tasks_per_worker``) exits only once
+            every step whose groups it ran has been cleared.  Each worker
+            hands its groups' shards to this process (the local backend:
+            uploaded to this process's shard store; ``ray``: object-store
+            objects this process owns), so a worker that dies loses nothing
+            (its group is re-run from the task id).
         max_rss_mb: a worker retires past this current RSS (MiB; ``None``: never).
+        max_tasks_per_worker: a worker retires after this many groups
+            (jittered; ``None``: never by count).
+        backend: the worker backend (``register_backends``): ``"local"`` or
+            a plugin's (``"ray"``); anything but ``"local"`` needs ``workers``.
+        ray_address: the cluster the backend joins (``ray``: ``"auto"`` or
+            ``HOST:PORT``; ``None``: the backend's default).
+
+    Raises:
+        ValueError: a count or timeout out of range, an unknown harness, a
+            backend other than ``"local"`` without workers.
     """
 
     env: str = "arithmetic"
@@ -84,6 +99,14 @@ class TrainerConfig:
     request_logprobs: bool = True
     workers: int = attrs.field(default=0, validator=v.at_least(0))
     max_rss_mb: float | None = attrs.field(default=None, validator=v.optional(v.positive()))
+    max_tasks_per_worker: int | None = attrs.field(default=None, validator=v.optional(v.at_least(1)))
+    backend: str = attrs.field(default="local")
+    ray_address: str | None = None
+
+    @backend.validator
+    def _check_backend(self, _attribute: Any, value: str) -> None:
+        if value != "local" and self.workers < 1:
+            raise ValueError(f"backend {value!r} runs env workers: give workers=K (worker processes per node)")
 
     def engine(self) -> EngineConfig:
         """The engine settings each env worker runs with."""
@@ -166,6 +189,8 @@ class Lowwater:
         self._upstream_url = upstream_url
         self.closed = False
         self.pool_reports: list[dict[str, Any]] = []
+        self.pool_report: dict[str, Any] | None = None
+        self.groups: GroupPool | None = None
 
     @classmethod
     @asynccontextmanager
@@ -198,6 +223,8 @@ class Lowwater:
                     store.address = await nursery.start(serve, store)
                     if config.workers:
                         lw = cls(config, None, store, http, plugins, env=env, upstream_url=url)
+                        lw.groups = GroupPool(config, plugins, url, store)
+                        nursery.start_soon(lw.groups.run)
                     else:
                         await nursery.start(server.run)
                         engine = Engine(
@@ -216,6 +243,10 @@ class Lowwater:
                     finally:
                         lw.closed = True
                         with trio.CancelScope(shield=True):
+                            if lw.groups is not None:
+                                with trio.move_on_after(_POOL_STOP_S):
+                                    await lw.groups.aclose()  # workers exit; the pool's own deadlines apply
+                                lw.pool_report = lw.groups.report
                             await plugins.fire("shutdown")
                         nursery.cancel_scope.cancel()
         finally:
@@ -279,68 +310,52 @@ class Lowwater:
         items = list(batch.refs) if isinstance(batch, Batch) else list(batch)
         report = await clear_batch(items, client=self.http, consumers=consumers, local=self.store)
         ids = [r.shard_id if isinstance(r, ShardRef) else r for r in items]
+        if self.groups is not None:
+            # Only now may the workers that produced the step retire.
+            for step in {batch.step} if isinstance(batch, Batch) else _steps_of(ids):
+                self.groups.release(step)
         await self.plugins.fire(
             "step_end", step=batch.step if isinstance(batch, Batch) else self.step - 1, shard_ids=ids
         )
         return report
 
     async def _next_batch_pooled(self, step: int, n_groups: int) -> Batch:
-        """The batch's groups in env workers (see :class:`TrainerConfig`).
+        """The batch's groups in the env workers (see :class:`TrainerConfig`).
 
         Raises:
             lowwater.workers.WorkerStartError: workers keep failing to start.
         """
-        import orjson
-
-        from lowwater.workers import JobSpec, WorkerPool
-
-        config = self.config
-        # "INDEX|TASK_ID": a task may come twice in one batch; the pool needs
-        # distinct ids, and the worker needs the environment's id back.
-        ids = [f"{i}|{orjson.dumps(next(self._tasks).id).decode()}" for i in range(n_groups)]
-        spec = JobSpec(
-            "lowwater.trainer.job:make_job",
-            {
-                "config": config.engine().to_json(),
-                "upstream_url": self._upstream_url,
-                "store_url": f"http://{self.store.address}",
-                "step": step,
-                "request_logprobs": config.request_logprobs,
-            },
-        )
-        pool = WorkerPool(
-            spec,
-            workers=config.workers,
-            concurrency_per_worker=max(1, -(-config.concurrency // config.workers)),
-            max_tasks_per_worker=None,
-            max_rss_mb=config.max_rss_mb,
-            preload=("lowwater.trainer.job",),
-        )
-        slots: list[tuple[Any, list[ShardRef], tuple[float, ...], int] | None] = [None] * n_groups
-
-        async def on_rows(rows: list[dict[str, Any]], info: Any) -> None:
-            index = int(str(info.task_id).partition("|")[0])
-            row = rows[0] if rows else {}
-            if row.get("error") or "refs" not in row:  # the job raised, or its worker kept dying
-                slots[index] = (row.get("task_id"), [], (0.0,) * config.group_size, config.group_size)
-                return
-            refs = [ShardRef.from_json(r) for r in row["refs"]]
-            slots[index] = (row["task_id"], refs, tuple(row["rewards"]), row["errors"])
-
-        report = await pool.run(ids, on_rows)
-        self.pool_reports.append(report.to_json())
+        assert self.groups is not None
+        slots, summary = await self.groups.run_groups(step, [next(self._tasks) for _ in range(n_groups)])
+        self.pool_reports.append(summary)
         return Batch.assemble(step, slots)
 
     def stats(self) -> dict[str, Any]:
         """``shards`` (the store's fetch-buffer stats) and, without workers,
-        ``engine`` (registry, in-flight) and ``intercepts``."""
+        ``engine`` (registry, in-flight) and ``intercepts``; with workers,
+        ``pool`` (the live pool stats, per worker)."""
         if self.engine is None:
-            return {"shards": self.store.stats(), "engine": None, "intercepts": None}
+            pool = self.groups.stats() if self.groups is not None else None
+            return {"shards": self.store.stats(), "engine": None, "intercepts": None, "pool": pool}
         return {
             "shards": self.store.stats(),
             "engine": self.engine.stats(),
             "intercepts": self.engine.interceptor.table.stats(),
         }
+
+
+#: Seconds the pool gets to stop its workers when the trainer closes.
+_POOL_STOP_S = 60.0
+
+
+def _steps_of(shard_ids: Sequence[str]) -> set[int]:
+    """Steps named by shard ids (``step{N}/...``, as the producer names them)."""
+    steps = set()
+    for shard_id in shard_ids:
+        head = shard_id.partition("/")[0]
+        if head.startswith("step") and head[4:].isdigit():
+            steps.add(int(head[4:]))
+    return steps
 
 
 def _cycle(env: Environment) -> Any:

@@ -56,20 +56,26 @@ class TrainerJob(EngineJob):
             yield
 
     async def run(self, task_id: Any, attempt: int) -> list[dict[str, Any]]:
-        """``task_id`` is ``"INDEX|JSON_TASK_ID"`` (the group's index in its
-        batch, then the environment's task id); one row with ``refs``,
-        ``rewards`` and ``errors``."""
+        """``task_id`` is ``"s{STEP}|INDEX|JSON_TASK_ID"``
+        (:func:`lowwater.trainer.pooled.task_key`; ``"INDEX|JSON_TASK_ID"``
+        runs at the job's ``step``); one row with ``refs``, ``rewards`` and
+        ``errors``."""
         assert self.engine is not None, "setup() has not run"
-        index, _, raw = str(task_id).partition("|")
+        text = str(task_id)
+        step = self.step
+        if text.startswith("s"):
+            head, _, text = text.partition("|")
+            step = int(head[1:])
+        index, _, raw = text.partition("|")
         task = self.env.task(orjson.loads(raw))
-        group_id = f"s{self.step}-g{index}"
+        group_id = f"s{step}-g{index}"
         local = ShardStore()
         refs: list[dict[str, Any]] = []
 
         async def produce(group: Group) -> None:
             # Before group_end and eviction: the trajectories are still live.
             trajectories = {t.rollout_id: t for t in group.trajectories()}
-            for ref in group_shards(local, f"step{self.step}/{group.group_id}", group.rollouts, trajectories):
+            for ref in group_shards(local, f"step{step}/{group.group_id}", group.rollouts, trajectories):
                 refs.append(await self._upload(local, ref.shard_id, ref.dtype, ref.shape))
 
         try:

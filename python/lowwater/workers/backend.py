@@ -134,7 +134,8 @@ def open_backend(plugins: Any, name: str, options: BackendOptions | None = None)
             message lists the installed backends).
     """
     factory = plugins.backend(name)
-    return factory(options or BackendOptions())  # type: ignore[no-any-return]
+    backend: WorkerBackend = factory(options or BackendOptions())
+    return backend
 
 
 __all__ = ["NODE_STORE_URL", "BackendOptions", "LocalBackend", "TaskPool", "WorkerBackend", "open_backend"]
