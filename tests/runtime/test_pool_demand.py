@@ -129,3 +129,23 @@ def test_waiters_see_the_pool_close():
 def test_bad_grow_is_refused():
     with pytest.raises(ValueError, match="grow"):
         RuntimePool(Fake, grow="lazy")
+
+
+def test_a_long_queue_grows_the_pool_without_waiting_out_the_patience():
+    async def main():
+        async with RuntimePool(Fake, max_size=4, grow="demand", first_grow_after_s=1000) as pool:
+            started = trio.current_time()
+
+            async def agent():
+                async with pool.acquire(CFG):
+                    await trio.sleep(2.0)
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(32):
+                    nursery.start_soon(agent)
+            # Once two holds of 2 s are known, 30 waiters on one runtime predict a
+            # minute's wait: it grows to four at once, not after 1000 s of patience.
+            assert pool.created == 4
+            assert trio.current_time() - started < 32 * 2.0 / 2
+
+    run(main)

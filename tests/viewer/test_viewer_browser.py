@@ -194,3 +194,32 @@ def test_api_without_a_browser(tmp_path):
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
+
+
+@pytest.mark.skipif(not (GSM8K / "test.jsonl").is_file(), reason="../shared/data/gsm8k not present")
+def test_gsm8k_transcripts_open_in_the_viewer(tmp_path, browser, view):
+    from lowwater.plugins import load
+
+    if "gsm8k" not in load().environments:
+        pytest.skip("lowwater-gsm8k is not installed")
+    out = tmp_path / "g.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "lowwater", "eval", "gsm8k", "--data", str(GSM8K / "test.jsonl"), "-n", "10",
+         "--model", f"replay:{GSM8K / 'example_model_solutions.jsonl'}#175b_verification", "--out", str(out),
+         "--no-progress", "--max-error-rate", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    browser.get(view(out))
+    ready(browser)
+    assert count_text(browser) == "10 of 10 rollouts"
+    Select(browser.find_element(By.ID, "f-correct")).select_by_value("false")
+    wait(browser, lambda d: int(count_text(d).split()[0]) < 10)
+    browser.find_elements(By.CSS_SELECTOR, "#rows tbody tr")[0].click()
+    wait(browser, EC.visibility_of_element_located((By.ID, "transcript-prompt")))
+    panel = browser.find_element(By.ID, "transcript").text
+    assert "calculator" in panel and "correct" in panel
+    assert_not_blank(browser.get_screenshot_as_png())

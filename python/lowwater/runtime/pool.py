@@ -12,10 +12,11 @@ idle or in use, and the stats end at ``idle == in_use == 0``.
 
 With ``grow="demand"`` the pool is sized to demand rather than to
 ``max_size``: the first acquire of a config starts a runtime; a later one
-that finds none idle waits for a release and starts another only when it
-has waited longer than twice the recent hold time, and at least
-``grow_floor_s`` (before any release: ``first_grow_after_s``), one start
-at a time per config; runtimes idle for
+that finds none idle waits for a release (in arrival order) and starts
+another only when the predicted wait (waiters x recent hold time /
+runtimes) exceeds ``grow_floor_s``, or it has waited longer than twice the
+hold time and at least ``grow_floor_s`` (before any hold time is known:
+``first_grow_after_s``), one start at a time per config; runtimes idle for
 ``idle_retire_s`` are stopped, all but one.  On GSM8K a pool of four held
 four warm math-verify workers of about 57 MiB each, although scoring all
 1319 answers costs about 1.1 CPU seconds (benches/eval_gsm8k.py).
@@ -128,12 +129,16 @@ class RuntimePool:
         self._released: dict[RuntimeConfig, trio.lowlevel.ParkingLot] = {}
         self._hold_s: dict[RuntimeConfig, float] = {}
         self._acquired_at: dict[int, float] = {}
+        self._used: set[int] = set()
         self._idle_since: dict[int, float] = {}
         self._factories = _default_factories() if factories is None else factories
         self.max_size = max_size
         self.max_idle = max_idle if max_idle is not None else max_size
         self.cleanup_timeout_s = cleanup_timeout_s
-        self._limiter = trio.CapacityLimiter(max_size) if max_size is not None else None
+        # With demand growth the bound is kept by refusing to start one past
+        # max_size, and acquires queue for releases themselves: a limiter in
+        # front of them hid the queue's length from the growth decision.
+        self._limiter = trio.CapacityLimiter(max_size) if max_size is not None and grow == "eager" else None
         self._idle: dict[RuntimeConfig, list[Runtime]] = {}
         self._in_use: dict[int, tuple[Runtime, RuntimeConfig, object]] = {}
         # Runtimes aclose() stopped while held: their holders' release()
@@ -211,6 +216,15 @@ class RuntimePool:
 
     # -- demand growth -----------------------------------------------------------
 
+    def _room(self) -> bool:
+        """Whether another runtime may start: ``max_size`` bounds those in use
+        (or starting, or being released) across configs, as the limiter does
+        with ``grow="eager"``; idle ones are bounded by ``max_idle``."""
+        if self.max_size is None:
+            return True
+        busy = len(self._in_use) + sum(self._starting.values()) + sum(self._releasing.values())
+        return busy < self.max_size
+
     def _live(self, key: RuntimeConfig) -> int:
         """Runtimes of ``key`` that exist or are starting."""
         in_use = sum(1 for _, k, _ in self._in_use.values() if k == key)
@@ -249,7 +263,8 @@ class RuntimePool:
                 if runtime is not None:
                     return runtime
                 overdue = trio.current_time() >= deadline
-                if self._live(key) == 0 or (overdue and not self._starting.get(key)):
+                grow = self._live(key) == 0 or (overdue and not self._starting.get(key)) or self._should_grow(key)
+                if grow and self._room():
                     return await self._create_counted(key)
                 if overdue:  # a start is under way: give it one more interval
                     deadline = trio.current_time() + self._grow_after_s(key)
@@ -259,8 +274,10 @@ class RuntimePool:
             self._waiting[key] -= 1
             if not self._waiting[key]:
                 del self._waiting[key]
-            if self._idle.get(key) and self._waiting.get(key):
-                lot.unpark(count=1)  # left with a runtime idle: pass the turn on
+            if self._waiting.get(key) and (self._idle.get(key) or self._should_grow(key)):
+                # A runtime left idle, or a queue that will not drain soon:
+                # the next waiter takes it, or starts one.
+                lot.unpark(count=1)
 
     async def _create_counted(self, key: RuntimeConfig) -> Runtime:
         self._starting[key] = self._starting.get(key, 0) + 1
@@ -270,13 +287,28 @@ class RuntimePool:
             self._starting[key] -= 1
             if not self._starting[key]:
                 del self._starting[key]
+            lot = self._released.get(key)
+            if lot is not None and self._should_grow(key):
+                lot.unpark(count=1)  # the queue still predicts a long wait: the next waiter starts one
 
     def _note_release(self, runtime: Runtime, key: RuntimeConfig) -> None:
         started = self._acquired_at.pop(id(runtime), None)
-        if started is not None:
+        first_use = id(runtime) not in self._used
+        self._used.add(id(runtime))
+        if started is not None and not first_use:
+            # A runtime's first use pays its warm workers' imports: not a hold
+            # time to plan by (counting it predicted a 31 s queue for 8 ms scores).
             held = trio.current_time() - started
             previous = self._hold_s.get(key)
             self._hold_s[key] = held if previous is None else 0.8 * previous + 0.2 * held
+
+    def _should_grow(self, key: RuntimeConfig) -> bool:
+        """Whether the waiters' predicted wait (waiters x hold time / runtimes)
+        exceeds ``grow_floor_s`` and no start of ``key`` is under way."""
+        hold = self._hold_s.get(key)
+        if hold is None or self._starting.get(key) or not self._room():
+            return False
+        return self._waiting.get(key, 0) * hold / max(1, self._live(key)) > self.grow_floor_s
 
     async def _retire_idle(self) -> None:
         """Stop runtimes idle past ``idle_retire_s``, keeping the freshest of each config."""
