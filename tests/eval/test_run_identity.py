@@ -114,3 +114,32 @@ def test_a_failed_resume_keeps_the_file_it_resumed(tmp_path):
     with pytest.raises((UpstreamError, ResultsFileError)):
         trio.run(run_eval, config)
     assert out.exists()
+
+
+def test_ctrl_c_before_the_first_rollout_leaves_no_file(tmp_path):
+    import signal
+    import socket
+    import time
+
+    # A server that accepts connections and never answers: the probe hangs there.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lowwater", "eval", "--model", "m", "--model-url", url, "--out", "r.jsonl"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "r.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)  # the header is written before the model is probed
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        listener.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "before any rollout finished; nothing was written" in err
+    assert not (tmp_path / "r.jsonl").exists()

@@ -273,11 +273,15 @@ def run(args: argparse.Namespace) -> int:
     if report is None:
         import signal
 
-        print(
-            f"lowwater eval: interrupted by {signal.Signals(signum).name}; finished rows are in {config.out}, "
-            f"in-flight ones were written as cancelled; add --resume to continue",
-            file=sys.stderr,
-        )
+        name = signal.Signals(signum).name
+        if config.out.exists():
+            message = (
+                f"interrupted by {name}; finished rows are in {config.out}, "
+                "in-flight ones were written as cancelled; add --resume to continue"
+            )
+        else:  # stopped before its first row: the run left no file
+            message = f"interrupted by {name} before any rollout finished; nothing was written"
+        print(f"lowwater eval: {message}", file=sys.stderr)
         return 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
     _print_summary(Console(), report, config)
     if report.tasks_available is not None:
