@@ -120,7 +120,18 @@ class Router:
         )
 
     async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Serve one HTTP request: resolve it, run the handler, answer an :class:`HTTPError`."""
+        """Serve one HTTP request: resolve it, run the handler, answer an :class:`HTTPError`.
+
+        A response started before the request's body was read to its end
+        (a 401 before a 60 MiB body is read, a 404, a handler that takes
+        no body) says ``connection: close``: the server drops such a
+        connection after the response, and a client that was not told
+        reused it and got "disconnected without sending a response".
+        """
+        if _has_body(scope) and "lowwater.body_watch" not in scope:
+            watch = _BodyWatch(receive, send)
+            scope["lowwater.body_watch"] = watch
+            receive, send = watch.receive, watch.send
         try:
             handler, params = self.resolve(scope["method"], scope["path"])
             scope["path_params"] = params
@@ -134,3 +145,37 @@ class Router:
             return await lifespan(receive, send)
         if scope["type"] == "http":
             await self.dispatch(scope, receive, send)
+
+
+def _has_body(scope: Scope) -> bool:
+    """Whether the request declares a body (a non-zero ``content-length``, or chunked)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            return value.strip() not in (b"0", b"")
+        if name == b"transfer-encoding":
+            return True
+    return False
+
+
+class _BodyWatch:
+    """``receive``/``send`` that note when the body has been read and add ``connection: close``
+    to a response started before that."""
+
+    __slots__ = ("_receive", "_send", "done")
+
+    def __init__(self, receive: Receive, send: Send) -> None:
+        self._receive = receive
+        self._send = send
+        self.done = False
+
+    async def receive(self) -> dict[str, Any]:
+        message = await self._receive()
+        if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            self.done = True
+        return message
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if not self.done and message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            self.done = True
+        await self._send(message)

@@ -173,7 +173,11 @@ class Admin:
             # loop, session by session; one that cannot be encoded stays in
             # the store and is named in "failed", the others are exported.
             result = await trio.to_thread.run_sync(store.export_encoded, body["session_ids"], discount, style)
-        payload = b'{"records":[%s],"failed":%s}' % (b",".join(result.records), _dumps(result.failed))
+        payload = b'{"records":[%s],"exported":%s,"failed":%s}' % (
+            b",".join(result.records),
+            _dumps(result.exported),
+            _dumps(result.failed),
+        )
         await send_bytes(send, 200, payload, "application/json")
 
     def _sessions_on(self) -> SessionStore:

@@ -18,7 +18,10 @@ export other sessions and close other rollouts; ``admin_auth=False``
 (``--no-admin-auth``) opens the endpoints, for tests only, with a warning.
 
 * ``POST /lowwater/rollouts`` — open a rollout.  Optional body
-  ``{"rollout_id", "task_id", "group_id"}``.  Answers ``{"rollout_id",
+  ``{"rollout_id", "task_id", "group_id"}``; a rollout id (which is also
+  its session id) is 1-128 characters of letters, digits, ``.``, ``_``,
+  ``:`` and ``-``, starting with a letter or digit (:mod:`lowwater.ids`;
+  400 otherwise, in a path too).  Answers ``{"rollout_id",
   "base_url", "anthropic_base_url", "api_key"}``: point ``OPENAI_BASE_URL``
   at ``base_url`` (it ends in ``/v1``) and ``OPENAI_API_KEY`` at ``api_key``.
   409 if the id is open already.
@@ -37,9 +40,13 @@ export other sessions and close other rollouts; ``admin_auth=False``
   stale (without it the session endpoints answer 404 and nothing outlives a
   rollout's ``DELETE``).
 * ``POST /lowwater/export`` — body ``{"session_ids": [...], "discount": 1.0,
-  "style": "individual" | "concat"}``: the sessions' interactions with
-  discounted rewards; exported sessions are removed (409 if one is not
-  ready, 404 if unknown; nothing is removed then).
+  "style": "individual" | "concat"}``: answers ``{"records", "exported",
+  "failed"}``, the sessions' interactions with discounted rewards, the ids
+  exported (and removed), and ``{id: reason}`` for sessions whose records
+  could not be encoded (kept in the store); exactly the sessions in
+  ``exported`` are removed.  409 if one is not ready, 404 if unknown, 400
+  for a bad id, ``discount`` (a number in (0, 1]) or ``style``; nothing is
+  removed then.
 * ``GET /lowwater/sessions`` — the store's counts and the ready session ids.
 * ``GET /lowwater/stats`` — ``intercepts`` (the intercept table's stats),
   ``open_rollouts``, ``waiting_handlers``, ``calls``, ``upstream`` (the

@@ -337,6 +337,9 @@ class InterceptionServer:
         except orjson.JSONEncodeError as exc:  # a protocol plugin's rewrite, past what was checked
             raise HTTPError(400, f"the request cannot be re-encoded for the upstream: {exc}") from None
         headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in _FORWARD_HEADERS}
+        for name, value in headers.items():
+            if not value.isascii():  # httpx sends ASCII header values only: this was a bare 500
+                raise HTTPError(400, f"header {name} must be ASCII")
         return _Call(
             f"{self._id_prefix}-{next(self._ids)}",
             protocol,

@@ -253,9 +253,9 @@ class SessionStore:
         Raises:
             UnknownSession: no such session.
             SessionConflict: a different reward was already set.
-            ValueError: ``reward`` is not a finite number.
+            ValueError: ``reward`` is not a finite number (a ``bool`` is not one).
         """
-        if not (isinstance(reward, (int, float)) and math.isfinite(reward)):
+        if isinstance(reward, bool) or not (isinstance(reward, (int, float)) and math.isfinite(reward)):
             raise ValueError(f"reward must be a finite number, got {reward!r}")
         session = self._get(session_id)
         with session.lock:
