@@ -24,6 +24,7 @@ __all__ = [
     "InternalError",
     "FetchBuffer",
     "ShardView",
+    "PendingShard",
     "InterceptTable",
     "InterceptView",
     "DTYPES",
@@ -67,6 +68,35 @@ class ShardView:
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
 @final
+class PendingShard:
+    """A put in progress (:meth:`FetchBuffer.reserve`): a writable buffer
+    that is the payload itself.  The memory is never freed or frozen while a
+    view of it is held, so a view cannot outlive it; dropping it uncommitted
+    abandons it."""
+
+    @property
+    def shard_id(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
+    def __len__(self) -> int: ...
+    def commit(self) -> None:
+        """Insert the payload into its buffer, replacing any shard of that id.
+
+        Raises:
+            BufferError: a view of the payload is still held.
+            ValueError: already committed or abandoned.
+            MemoryError: the mapping cannot be made read-only.
+        """
+    def abandon(self) -> None:
+        """Give the reservation back without inserting (idempotent).
+
+        Raises:
+            BufferError: a view of the payload is still held.
+        """
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __release_buffer__(self, buffer: memoryview, /) -> None: ...
+
+@final
 class FetchBuffer:
     """The shard fetch buffer: ``shard_id -> shard`` (payload + dtype, shape, owner).
 
@@ -105,6 +135,18 @@ class FetchBuffer:
                 ``len(bytes(data)) != prod(shape) * itemsize(dtype)``.
             TypeError: ``data`` does not support the buffer protocol.
             BufferFull: the table would exceed ``capacity_bytes``.
+        """
+    def reserve(self, shard_id: str, *, dtype: str, shape: Iterable[int], owner: str = "") -> PendingShard:
+        """Start a put whose payload is written in place (a socket's
+        ``recv_into`` straight into it, no copy after): a writable buffer of
+        ``prod(shape) * itemsize(dtype)`` zero bytes, counted in ``bytes``
+        until :meth:`PendingShard.commit` inserts it or
+        :meth:`PendingShard.abandon` gives it back.
+
+        Raises:
+            ValueError: unknown ``dtype`` or a negative dimension.
+            BufferFull: the table would exceed ``capacity_bytes``.
+            MemoryError: the memory cannot be had.
         """
     def get(self, shard_id: str) -> ShardView | None: ...
     def pop(self, shard_id: str) -> ShardView | None: ...

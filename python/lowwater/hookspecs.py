@@ -108,6 +108,17 @@ def register_backends(register: Callable[[str, Any], None]) -> None:
     """
 
 
+@hookspec
+def register_shard_transports(register: Callable[[str, Any], None]) -> None:
+    """Provide shard transports: how a shard moves from its owner to consumers.
+
+    Call ``register(name, factory)`` where ``factory()`` returns a
+    :class:`lowwater.trainer.transport.ShardTransport` for this process; a
+    :class:`lowwater.trainer.shards.ShardRef` whose ``transport`` is
+    ``name`` is fetched and drained through it.  Built in: ``"http"``.
+    """
+
+
 # --- lifecycle hooks (async) -------------------------------------------------
 
 

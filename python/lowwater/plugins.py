@@ -117,6 +117,7 @@ class Plugins:
         environments: environment name -> factory (``register_environments``).
         cleanup_policies: policy name -> policy object (``register_cleanup_policies``).
         backends: worker backend name -> factory (``register_backends``).
+        shard_transports: shard transport name -> factory (``register_shard_transports``).
         infos: the loaded plugins, in load order.
         failures: plugins skipped because they failed to load or validate.
     """
@@ -129,6 +130,7 @@ class Plugins:
         self.environments: dict[str, Any] = {}
         self.cleanup_policies: dict[str, Any] = {}
         self.backends: dict[str, Any] = {}
+        self.shard_transports: dict[str, Any] = {}
         self.infos: list[PluginInfo] = []
         self.failures: list[PluginFailure] = []
         self._owners: dict[tuple[str, str], str] = {}
@@ -200,6 +202,7 @@ class Plugins:
         self._collect("register_environments", self.environments, keyed=True)
         self._collect("register_cleanup_policies", self.cleanup_policies, keyed=True)
         self._collect("register_backends", self.backends, keyed=True)
+        self._collect("register_shard_transports", self.shard_transports, keyed=True)
 
     def _collect(self, hook: str, into: dict[str, Any], *, keyed: bool) -> None:
         kind = hook.removeprefix("register_")
@@ -232,6 +235,9 @@ class Plugins:
 
     def backend(self, name: str) -> Any:
         return self._lookup(self.backends, "backend", name)
+
+    def shard_transport(self, name: str) -> Any:
+        return self._lookup(self.shard_transports, "shard transport", name)
 
     @staticmethod
     def _lookup(table: dict[str, Any], kind: str, name: str) -> Any:

@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
         "environments": sorted(plugins.environments),
         "cleanup_policies": sorted(plugins.cleanup_policies),
         "backends": sorted(plugins.backends),
+        "shard_transports": sorted(plugins.shard_transports),
     }
     if args.json:
         print(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(p["name"], p["dist"], p["version"], ", ".join(p["hooks"]))
     console = Console()
     console.print(table)
-    for kind in ("runtimes", "protocols", "environments", "cleanup_policies", "backends"):
+    for kind in ("runtimes", "protocols", "environments", "cleanup_policies", "backends", "shard_transports"):
         console.print(f"{kind.replace('_', ' ')}: {', '.join(data[kind]) or 'none'}")
     for f in data["failed"]:
         console.print(f"[red]failed[/red] {f['name']} ({f['dist'] or 'no distribution'}): {f['reason']}")

@@ -37,7 +37,6 @@ from lowwater import plugins as plugins_mod
 from lowwater._native import LowwaterError
 from lowwater.assembly import EngineConfig
 from lowwater.environment import HARNESSES, Environment, Task
-from lowwater.http import serve
 from lowwater.rollout import Deadlines, Engine, Group
 from lowwater.trainer.pooled import GroupPool
 from lowwater.trainer.producer import group_shards
@@ -220,7 +219,7 @@ class Lowwater:
                         max_idle=max(config.concurrency * config.group_size, 8), timeout_s=config.timeout_s
                     ) as http,
                 ):
-                    store.address = await nursery.start(serve, store)
+                    await nursery.start(store.run)  # with its bulk listener (trainer/bulk.py)
                     if config.workers:
                         lw = cls(config, None, store, http, plugins, env=env, upstream_url=url)
                         lw.groups = GroupPool(config, plugins, url, store)

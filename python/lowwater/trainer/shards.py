@@ -20,6 +20,12 @@ Wire format (payloads travel as raw bytes, never base64 JSON):
   ...]``), then the payloads in order, unframed.
 * ``DELETE /shards`` ``{"ids": [...]}``: ``{"removed": n, "stats": {...}}``.
 * ``GET /shards/stats``: the store's fetch-buffer stats.
+* ``GET /bulk``: ``{"address": "host:port"}`` of the store's bulk listener
+  (:mod:`lowwater.trainer.bulk`, the same batch request without the ASGI
+  server's copies), 404 when it has none.
+
+A store started with :meth:`ShardStore.run` on a host beyond loopback
+requires its admin key on every request (``Authorization: Bearer``).
 
 Consumers answer ``POST /buffer/drain`` ``{"ids": [...]}`` with
 ``{"removed": n, "stats": {...}}`` and ``GET /buffer/stats``.
@@ -27,10 +33,11 @@ Consumers answer ``POST /buffer/drain`` ``{"ids": [...]}`` with
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -50,6 +57,7 @@ from lowwater.http import (
     id_list,
     parse_json,
     read_body,
+    require_key,
     send_bytes,
     send_json,
     start_response,
@@ -85,10 +93,16 @@ class ShardRef:
 
     Attributes:
         shard_id: the shard's id, unique within a step.
-        owner: ``host:port`` of the owner's shard store.
+        owner: ``host:port`` of the owner's shard store (another transport:
+            where the owner is, for logs).
         dtype: numpy-style element type name (``"int64"``, ``"float32"``, ...).
         shape: dimensions; ``prod(shape) * itemsize(dtype) == nbytes``.
         nbytes: payload size in bytes.
+        transport: the shard transport that moves it
+            (:mod:`lowwater.trainer.transport`; ``"http"`` by default).
+        handle: the transport's handle, if it needs one (``ray``: the owner's
+            object reference); not part of equality and not in
+            :meth:`to_json` (such refs travel pickled).
     """
 
     shard_id: str
@@ -96,19 +110,24 @@ class ShardRef:
     dtype: str
     shape: tuple[int, ...] = attrs.field(converter=tuple)
     nbytes: int
+    transport: str = "http"
+    handle: Any = attrs.field(default=None, eq=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "shard_id": self.shard_id,
             "owner": self.owner,
             "dtype": self.dtype,
             "shape": list(self.shape),
             "nbytes": self.nbytes,
         }
+        if self.transport != "http":
+            out["transport"] = self.transport
+        return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ShardRef:
-        return cls(d["shard_id"], d["owner"], d["dtype"], tuple(d["shape"]), d["nbytes"])
+        return cls(d["shard_id"], d["owner"], d["dtype"], tuple(d["shape"]), d["nbytes"], d.get("transport", "http"))
 
 
 def _shape_header(shape: Iterable[int]) -> str:
@@ -205,20 +224,30 @@ class ShardStore:
     Args:
         capacity_bytes: bound on held payload bytes (``None``: unbounded);
             a put over it raises :class:`~lowwater.BufferFull`.
-        address: ``host:port`` written into references; :meth:`serve` sets it.
+        address: ``host:port`` written into references; :meth:`run` sets it
+            (or the caller, from ``await nursery.start(serve, store)``).
+        admin_key: the key every request must carry (``None``: none; a
+            store bound beyond loopback requires one, see :meth:`run`).
     """
 
-    def __init__(self, capacity_bytes: int | None = None, address: str = "") -> None:
+    def __init__(self, capacity_bytes: int | None = None, address: str = "", admin_key: str | None = None) -> None:
         self.buffer = FetchBuffer(capacity_bytes)
         self.address = address
+        self.admin_key = admin_key
+        #: ``host:port`` of the bulk listener, once :meth:`run` started it.
+        self.bulk_address: str | None = None
         # First match wins: the fixed paths before /shards/{id} (a shard may
         # still be called "stats" or "batch": its PUT and GET go through).
         self._router = Router()
-        self._router.add("GET", "/shards/stats", self._stats)
-        self._router.add("POST", "/shards/batch", self._batch)
-        self._router.add("DELETE", "/shards", self._remove)
-        self._router.add("GET", "/shards/{shard_id:path}", self._send_one)
-        self._router.add("PUT", "/shards/{shard_id:path}", self._receive_one)
+        for method, path, handler in (
+            ("GET", "/bulk", self._bulk),
+            ("GET", "/shards/stats", self._stats),
+            ("POST", "/shards/batch", self._batch),
+            ("DELETE", "/shards", self._remove),
+            ("GET", "/shards/{shard_id:path}", self._send_one),
+            ("PUT", "/shards/{shard_id:path}", self._receive_one),
+        ):
+            self._router.add(method, path, self._keyed(handler))
 
     def put(self, shard_id: str, data: Any, *, dtype: str, shape: Sequence[int]) -> ShardRef:
         """Copy ``data`` in and return its reference.  Raises as :meth:`FetchBuffer.put`."""
@@ -232,12 +261,62 @@ class ShardStore:
     def stats(self) -> dict[str, int]:
         return self.buffer.stats()
 
+    async def run(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        advertise: str | None = None,
+        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve the endpoints and the bulk listener until cancelled;
+        ``task_status.started`` gets (and :attr:`address` is set to) the
+        advertised ``host:port`` written into references.
+
+        ``advertise`` is the host others dial (default: ``host``, or this
+        host's primary address for ``0.0.0.0``/``::``).
+
+        Raises:
+            lowwater.http.exposure.ExposureError: ``host`` is beyond loopback
+                and the store has no ``admin_key``.
+            OSError: the address cannot be bound.
+        """
+        from lowwater.http import serve
+        from lowwater.http.exposure import advertised_host, check_bind, join
+        from lowwater.trainer.bulk import serve_bulk
+
+        check_bind("the shard store", host, self.admin_key)
+        public = advertised_host(host, advertise)
+        async with trio.open_nursery() as nursery:
+            bulk_port = await nursery.start(
+                functools.partial(serve_bulk, self.buffer, host, 0, admin_key=self.admin_key)
+            )
+            bound = await nursery.start(serve, self, host, port)
+            self.bulk_address = join(public, bulk_port)
+            self.address = join(public, int(bound.rpartition(":")[2]))
+            task_status.started(self.address)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI app serving the shard endpoints."""
         await self._router(scope, receive, send)
 
+    def _keyed(self, handler: Callable[[Scope, Receive, Send], Awaitable[None]]) -> Any:
+        """``handler`` behind the admin-key check (inside the router, which
+        answers a 401 sent before the body was read with ``connection: close``)."""
+
+        async def keyed(scope: Scope, receive: Receive, send: Send) -> None:
+            require_key(scope, self.admin_key)
+            await handler(scope, receive, send)
+
+        return keyed
+
     async def _stats(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 200, self.stats())
+
+    async def _bulk(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.bulk_address is None:
+            raise HTTPError(404, "this store has no bulk listener")
+        await send_json(send, 200, {"address": self.bulk_address})
 
     async def _batch(self, scope: Scope, receive: Receive, send: Send) -> None:
         ids = id_list(parse_json(await read_body(scope, receive, 16 << 20)))
@@ -305,11 +384,15 @@ class RetryPolicy:
 
 _DEFAULT_TRIM: Any = object()
 
-_RETRYABLE = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.PoolTimeout)
-
 
 class ShardConsumer:
     """A consumer's side: resolves references into its own fetch buffer, drains on request.
+
+    References of another transport (``ref.transport``, such as ``"ray"``)
+    are fetched and drained through that transport
+    (:mod:`lowwater.trainer.transport`), looked up in ``transports`` or, the
+    first time one is seen, in the plugin registry; its entries count in
+    the drain's stats, so a view kept past the drain is reported as a leak.
 
     Args:
         client: the ``httpx.AsyncClient`` used to reach owners (caller-owned).
@@ -322,6 +405,8 @@ class ShardConsumer:
             since the step's transient response bodies otherwise stay in
             glibc's heap (a 25 MB RSS sawtooth per consumer in
             benches/trainer_steps.py).  ``None`` disables it.
+        transports: shard transports by name for references that are not
+            ``"http"`` (default: built from the registry when needed).
     """
 
     def __init__(
@@ -333,7 +418,10 @@ class ShardConsumer:
         max_concurrency: int = 8,
         retry: RetryPolicy | None = None,
         trim: Callable[[], object] | None = _DEFAULT_TRIM,
+        transports: dict[str, Any] | None = None,
     ) -> None:
+        from lowwater.trainer.transport import HttpTransport
+
         if chunk_size < 1 or max_concurrency < 1:
             raise ValueError("chunk_size and max_concurrency must be >= 1")
         self.client = client
@@ -342,87 +430,85 @@ class ShardConsumer:
         # of leaving them to glibc's heap (benches/trainer_steps.py showed a
         # 1-step-per-step RSS sawtooth with the 1 MiB default).
         self.buffer = buffer if buffer is not None else FetchBuffer(mmap_threshold=CONSUMER_MMAP_THRESHOLD)
+        self.http = HttpTransport(
+            client, self.buffer, chunk_size=chunk_size, max_concurrency=max_concurrency, retry=retry
+        )
         self.chunk_size = chunk_size
-        self.limiter = trio.CapacityLimiter(max_concurrency)
-        self.retry = retry or RetryPolicy()
+        self.limiter = self.http.limiter
+        self.retry = self.http.retry
         self.trim = Trimmer() if trim is _DEFAULT_TRIM else trim
+        self.transports: dict[str, Any] = dict(transports or {})
         self._router = Router()
         self._router.add("POST", "/buffer/drain", self._drain_request)
         self._router.add("GET", "/buffer/stats", self._buffer_stats)
 
-    async def fetch(self, refs: Sequence[ShardRef]) -> list[ShardView]:
+    async def fetch(self, refs: Sequence[ShardRef]) -> list[Any]:
         """Views of ``refs``, in order: local hits first, misses fetched from their owners.
+
+        ``"http"`` references give :class:`~lowwater.ShardView` objects of
+        this consumer's fetch buffer; another transport's give its own
+        zero-copy views (``ray``: read-only numpy arrays over the object
+        store), each with ``dtype`` and ``shape``.
 
         Raises:
             ShardMissing: an owner does not hold a requested shard.
             ShardFetchError: an owner stayed unreachable or answered with an error.
+            lowwater.plugins.UnknownName: a reference names a transport no plugin registered.
         """
-        misses: dict[str, list[str]] = {}
-        for ref in refs:
-            if ref.shard_id not in self.buffer:
-                ids = misses.setdefault(ref.owner, [])
-                if ref.shard_id not in ids:
-                    ids.append(ref.shard_id)
-        if misses:
-            try:
-                async with trio.open_nursery() as nursery:
-                    for owner, ids in misses.items():
-                        for start in range(0, len(ids), self.chunk_size):
-                            nursery.start_soon(self._fetch_chunk, owner, ids[start : start + self.chunk_size])
-            except BaseExceptionGroup as group:
-                raise _one_error(group) from None
-        views = []
-        for ref in refs:
-            view = self.buffer.get(ref.shard_id)
-            if view is None:
-                # Drained concurrently between the fetch and this read.
-                raise ShardFetchError(f"shard {ref.shard_id!r} was drained while being fetched")
-            views.append(view)
-        return views
+        if all(ref.transport == "http" for ref in refs):
+            return await self.http.fetch(refs)
+        groups: dict[str, list[int]] = {}
+        for i, ref in enumerate(refs):
+            groups.setdefault(ref.transport, []).append(i)
+        out: list[Any] = [None] * len(refs)
+        for name, positions in groups.items():
+            transport = self.http if name == "http" else self._transport(name)
+            views = await transport.fetch([refs[i] for i in positions])
+            for i, view in zip(positions, views):
+                out[i] = view
+        return out
 
-    async def _fetch_chunk(self, owner: str, ids: list[str]) -> None:
-        url = f"http://{owner}/shards/batch"
-        request = orjson.dumps({"ids": ids})
-        for attempt in range(self.retry.attempts):
-            try:
-                async with self.limiter:
-                    await self._stream_batch(owner, url, request)
-                return
-            except _RETRYABLE as exc:
-                # A cut stream is retried whole: re-putting a shard replaces it.
-                if attempt + 1 == self.retry.attempts:
-                    raise ShardFetchError(f"owner {owner} unreachable after {attempt + 1} attempts: {exc!r}") from exc
-                await trio.sleep(self.retry.delay_s(attempt))
+    def _transport(self, name: str) -> Any:
+        if name not in self.transports:
+            from lowwater import plugins as plugins_mod
+            from lowwater.trainer.transport import transport_factory
 
-    async def _stream_batch(self, owner: str, url: str, request: bytes) -> None:
-        # Streamed, never ``response.content``: httpx's request/response objects
-        # sit in reference cycles, so a body kept on the response lives until
-        # the cyclic GC runs (a one-step-per-step RSS sawtooth in
-        # benches/trainer_steps.py).  Here only one shard is assembled at a time.
-        async with self.client.stream("POST", url, content=request) as response:
-            if response.status_code != 200:
-                await response.aread()
-                if response.status_code == 400 and (missing := _json_or_empty(response).get("missing")):
-                    raise ShardMissing(owner, missing)
-                raise ShardFetchError(f"owner {owner} answered {response.status_code}: {response.text[:200]}")
-            reader = BatchReader()
-            async for chunk in response.aiter_raw():
-                for meta, payload in reader.feed(chunk):
-                    self.buffer.put(meta["id"], payload, dtype=meta["dtype"], shape=tuple(meta["shape"]), owner=owner)
-            reader.close()
+            self.transports[name] = transport_factory(plugins_mod.load(), name)()
+        return self.transports[name]
 
     def drain(self, shard_ids: Sequence[str] | None) -> dict[str, Any]:
-        """Remove exactly ``shard_ids`` from the buffer; returns ``{"removed", "stats"}``.
+        """Remove exactly ``shard_ids`` from the buffer (and from every other
+        transport's copies); returns ``{"removed", "stats"}``.
 
         ``None`` or an empty list is a no-op (it must not flush: a consumer
         told nothing must keep what other steps still need).  Blocking (it
         frees payloads and may trim the heap): the drain endpoint runs it in a
-        worker thread; do the same when calling it from a Trio task.
+        worker thread; do the same when calling it from a Trio task.  The
+        stats' ``entries`` and ``bytes`` include what other transports still
+        hold (a view kept past the drain).
         """
-        removed = self.buffer.clear(list(shard_ids)) if shard_ids else 0
+        ids = list(shard_ids or ())
+        removed = self.buffer.clear(ids) if ids else 0
+        for transport in self.transports.values():
+            removed += transport.drain(ids) if ids else 0
         if removed and self.trim is not None:
             self.trim()
-        return {"removed": removed, "stats": self.buffer.stats()}
+        return {"removed": removed, "stats": self.stats()}
+
+    def stats(self) -> dict[str, int]:
+        """The fetch buffer's stats, with other transports' ``entries`` and ``bytes`` added."""
+        stats = self.buffer.stats()
+        for transport in self.transports.values():
+            extra = transport.stats()
+            stats["entries"] += extra.get("entries", 0)
+            stats["bytes"] += extra.get("bytes", 0)
+        return stats
+
+    async def aclose(self) -> None:
+        """Close the bulk connections and any transport this consumer built."""
+        await self.http.aclose()
+        for transport in self.transports.values():
+            await transport.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI app of the consumer's drain endpoints."""
@@ -434,7 +520,7 @@ class ShardConsumer:
         await send_json(send, 200, result)
 
     async def _buffer_stats(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send_json(send, 200, self.buffer.stats())
+        await send_json(send, 200, self.stats())
 
 
 def _one_error(group: BaseExceptionGroup) -> BaseException:
@@ -470,11 +556,15 @@ def _json_or_empty(response: httpx.Response) -> dict[str, Any]:
 
 @attrs.frozen
 class DrainReport:
-    """What :func:`clear_batch` did: owners' removals and each consumer's stats after the drain."""
+    """What :func:`clear_batch` did: owners' removals, each consumer's stats
+    after the drain, and (for transports that can tell, ``ray``) what of the
+    step was still held anywhere after it: ``held`` entries ``{"shard_id",
+    "nbytes", "where"}``, each a leak."""
 
     ids: tuple[str, ...]
     owners_removed: dict[str, int]
     consumers: dict[str, dict[str, Any] | None]
+    held: tuple[dict[str, Any], ...] = ()
 
     @property
     def leaked_bytes(self) -> int:
@@ -489,12 +579,16 @@ async def clear_batch(
     consumers: Iterable[str],
     owners: Iterable[str] = (),
     local: ShardStore | None = None,
+    transports: dict[str, Any] | None = None,
 ) -> DrainReport:
     """Release one step's shards everywhere.
 
     The owners (those named by the references, plus ``owners``, plus ``local``)
-    remove their copies; then every consumer in ``consumers`` (``host:port``)
-    drains exactly those ids.  The fan-out carries a flat list of id strings,
+    remove their copies; references of another transport (``ray``) are
+    released through it (``transports``, or the plugin registry); then every
+    consumer in ``consumers`` (``host:port``) drains exactly those ids, and
+    each such transport is asked what of the step is still held (each is
+    logged as a leak and listed in :attr:`DrainReport.held`).  The fan-out carries a flat list of id strings,
     never the references (which a consumer would resolve again on arrival).
     A consumer whose buffer is not empty afterwards is logged as a warning with
     its size in bytes; a consumer that cannot be reached is logged too, and
@@ -502,13 +596,26 @@ async def clear_batch(
     """
     ids: list[str] = []
     owner_set = set(owners)
+    others: dict[str, list[ShardRef]] = {}
     for item in refs_or_ids:
         if isinstance(item, ShardRef):
             ids.append(item.shard_id)
-            owner_set.add(item.owner)
+            if item.transport == "http":
+                owner_set.add(item.owner)
+            else:
+                others.setdefault(item.transport, []).append(item)
         else:
             ids.append(item)
     owners_removed: dict[str, int] = {}
+    by_name: dict[str, Any] = dict(transports or {})
+    if others:
+        for name, refs in others.items():
+            if name not in by_name:
+                from lowwater import plugins as plugins_mod
+                from lowwater.trainer.transport import transport_factory
+
+                by_name[name] = transport_factory(plugins_mod.load(), name)()
+            owners_removed[name] = await by_name[name].remove(refs)
     if local is not None:
         owners_removed[local.address or "local"] = await trio.to_thread.run_sync(local.remove, ids)
         owner_set.discard(local.address)
@@ -547,4 +654,14 @@ async def clear_batch(
             nursery.start_soon(to_owner, owner)
         for consumer in consumer_list:
             nursery.start_soon(to_consumer, consumer)
-    return DrainReport(tuple(ids), owners_removed, results)
+    held: list[dict[str, Any]] = []
+    for name, refs in others.items():
+        for item in await by_name[name].held(refs):
+            held.append(item)
+            log.warning(
+                "shard %s (%d bytes) of the step is still held after the drain (%s): a leak",
+                item.get("shard_id"),
+                item.get("nbytes", 0),
+                item.get("where", name),
+            )
+    return DrainReport(tuple(ids), owners_removed, results, tuple(held))

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use crate::accounting::Accounting;
 use crate::dtype::{expected_nbytes, lookup};
 use crate::error::TableError;
-use crate::payload::Payload;
+use crate::payload::{Payload, PayloadMut};
 use crate::sync::{AtomicU64, Map, Ordering, Slot};
 
 /// One shard: a contiguous payload and what it holds.
@@ -25,6 +25,40 @@ pub struct Shard {
     pub owner: Box<str>,
     /// The shard's bytes.
     pub payload: Payload,
+}
+
+/// A put in progress ([`FetchBuffer::reserve`]): its payload is written in
+/// place, then [`FetchBuffer::commit`]ted or [`FetchBuffer::abandon`]ed on the
+/// buffer that reserved it (dropping it without either leaves its bytes
+/// reserved in that buffer's `bytes` count).
+pub struct PendingShard {
+    id: Arc<str>,
+    dtype: &'static str,
+    shape: Box<[usize]>,
+    owner: Box<str>,
+    payload: PayloadMut,
+}
+
+impl PendingShard {
+    /// The bytes to fill (`prod(shape) * itemsize(dtype)` of them, zeroed).
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.payload.as_mut_slice()
+    }
+
+    /// The shard's id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Size of the payload in bytes.
+    pub fn len(&self) -> usize {
+        self.payload.len()
+    }
+
+    /// True for a zero-byte payload.
+    pub fn is_empty(&self) -> bool {
+        self.payload.is_empty()
+    }
 }
 
 /// Exact counters of a [`FetchBuffer`] (all bytes are payload bytes).
@@ -129,6 +163,65 @@ impl FetchBuffer {
         }
         self.acct.settled();
         Ok(())
+    }
+
+    /// Start a put whose bytes are written in place: validates `dtype` and
+    /// `shape`, reserves the bytes against the capacity bound (they count in
+    /// `bytes` until [`FetchBuffer::commit`] or [`FetchBuffer::abandon`]) and
+    /// allocates the zero-filled payload.  The shard is not visible until
+    /// committed.  This is the receive path of a fetch: a socket reads
+    /// straight into [`PendingShard::as_mut_slice`], with no copy after.
+    ///
+    /// Errors: as [`FetchBuffer::put`].
+    pub fn reserve(&self, id: &str, dtype: &str, shape: &[usize], owner: &str) -> Result<PendingShard, TableError> {
+        let n = expected_nbytes(dtype, shape)?;
+        let (dtype, _) = lookup(dtype)?;
+        let replacing = match self.acct.capacity() {
+            Some(_) => self.map.get_with(id, |slot| slot.load().map_or(0, |s| s.payload.len() as u64)).unwrap_or(0),
+            None => 0,
+        };
+        self.acct.reserve(n as u64, replacing)?;
+        match PayloadMut::zeroed(n, self.mmap_threshold, &self.acct.live) {
+            Ok(payload) => {
+                Ok(PendingShard { id: Arc::from(id), dtype, shape: shape.into(), owner: owner.into(), payload })
+            }
+            Err(e) => {
+                self.acct.unreserve(n as u64);
+                Err(e)
+            }
+        }
+    }
+
+    /// Insert a filled [`PendingShard`] of this buffer, replacing (and
+    /// releasing) any shard held under its id, exactly as a put does.
+    ///
+    /// Errors: [`TableError::Alloc`] when its mapping cannot be made read-only
+    /// (nothing is inserted; the reservation is given back).
+    pub fn commit(&self, pending: PendingShard) -> Result<(), TableError> {
+        let n = pending.payload.len() as u64;
+        let PendingShard { id, dtype, shape, owner, payload } = pending;
+        let payload = match payload.freeze() {
+            Ok(p) => p,
+            Err(e) => {
+                self.acct.unreserve(n);
+                return Err(e);
+            }
+        };
+        let shard = Arc::new(Shard { id: Arc::clone(&id), dtype, shape, owner, payload });
+        self.acct.committed();
+        let old = self.map.insert_with(id, Slot::new(shard), |old| old.take()).flatten();
+        if let Some(old) = old {
+            self.acct.released(old.payload.len() as u64);
+            self.removals.fetch_add(1, Ordering::Relaxed);
+        }
+        self.acct.settled();
+        Ok(())
+    }
+
+    /// Give back a [`PendingShard`]'s reservation without inserting it (a
+    /// fetch that failed half-way); its payload is freed.
+    pub fn abandon(&self, pending: PendingShard) {
+        self.acct.unreserve(pending.payload.len() as u64);
     }
 
     /// The shard held under `id`, if any (counts a hit or a miss).

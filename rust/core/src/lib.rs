@@ -20,6 +20,6 @@ pub mod payload;
 mod sync;
 
 pub use error::TableError;
-pub use fetch_buffer::{FetchBuffer, FetchStats, Shard};
+pub use fetch_buffer::{FetchBuffer, FetchStats, PendingShard, Shard};
 pub use intercept::{Intercept, InterceptStats, InterceptTable};
-pub use payload::{LiveBytes, Payload};
+pub use payload::{LiveBytes, Payload, PayloadMut};

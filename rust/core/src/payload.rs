@@ -93,3 +93,89 @@ impl Drop for Payload {
         self.live.0.fetch_sub(self.len() as u64, Ordering::AcqRel);
     }
 }
+
+enum StorageMut {
+    Heap(Box<[u8]>),
+    Mapped(memmap2::MmapMut),
+}
+
+/// A payload being filled in place (a shard received straight into its final
+/// memory, with no copy); writable until [`PayloadMut::freeze`] turns it into
+/// an immutable [`Payload`].  Its bytes count in [`LiveBytes`] from creation.
+pub struct PayloadMut {
+    storage: Option<StorageMut>,
+    len: usize,
+    live: Arc<LiveBytes>,
+}
+
+impl PayloadMut {
+    /// A zero-filled payload of `len` bytes; at or above `mmap_threshold`
+    /// bytes a fresh anonymous mapping, populated up front (`MAP_POPULATE`):
+    /// the pages are about to be written whole, and faulting them in one call
+    /// took a third of the time of 16 384 separate page faults for 64 MiB
+    /// (60 ms against 173 ms on the 2-core VM the benches run on).
+    ///
+    /// Errors: [`TableError::Alloc`] when the memory cannot be had.
+    pub fn zeroed(len: usize, mmap_threshold: usize, live: &Arc<LiveBytes>) -> Result<Self, TableError> {
+        let storage = if len != 0 && len >= mmap_threshold {
+            StorageMut::Mapped(
+                memmap2::MmapOptions::new()
+                    .len(len)
+                    .populate()
+                    .map_anon()
+                    .map_err(|e| TableError::Alloc { bytes: len, reason: e.to_string() })?,
+            )
+        } else {
+            let mut v = Vec::new();
+            v.try_reserve_exact(len).map_err(|e| TableError::Alloc { bytes: len, reason: e.to_string() })?;
+            v.resize(len, 0);
+            StorageMut::Heap(v.into_boxed_slice())
+        };
+        live.0.fetch_add(len as u64, Ordering::AcqRel);
+        Ok(PayloadMut { storage: Some(storage), len, live: Arc::clone(live) })
+    }
+
+    /// The bytes to fill.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        match &mut self.storage {
+            Some(StorageMut::Heap(b)) => b,
+            Some(StorageMut::Mapped(m)) => m,
+            None => &mut [],
+        }
+    }
+
+    /// Size of the payload in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-byte payload.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The filled payload, immutable from here on (a mapping is made
+    /// read-only, as [`Payload::copy_from`] does).
+    ///
+    /// Errors: [`TableError::Alloc`] when the mapping cannot be protected
+    /// (the payload is then released).
+    pub fn freeze(mut self) -> Result<Payload, TableError> {
+        let storage = match self.storage.take() {
+            Some(StorageMut::Heap(b)) => Storage::Heap(b),
+            Some(StorageMut::Mapped(m)) => Storage::Mapped(m.make_read_only().map_err(|e| {
+                self.live.0.fetch_sub(self.len as u64, Ordering::AcqRel);
+                TableError::Alloc { bytes: self.len, reason: e.to_string() }
+            })?),
+            None => Storage::Heap(Box::default()),
+        };
+        Ok(Payload { storage, live: Arc::clone(&self.live) })
+    }
+}
+
+impl Drop for PayloadMut {
+    fn drop(&mut self) {
+        if self.storage.is_some() {
+            self.live.0.fetch_sub(self.len as u64, Ordering::AcqRel);
+        }
+    }
+}

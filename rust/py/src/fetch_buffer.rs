@@ -1,10 +1,12 @@
 //! Python binding of the shard fetch buffer.
 
+use std::ffi::c_void;
 use std::os::raw::c_int;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
+use std::sync::{Arc, Mutex};
 
-use lowwater_core::{FetchBuffer as CoreBuffer, Shard};
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use lowwater_core::{FetchBuffer as CoreBuffer, PendingShard as CorePending, Shard};
+use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyTuple};
@@ -74,6 +76,132 @@ impl ShardView {
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
 }
 
+/// A put in progress on a `FetchBuffer`: a writable buffer (the payload
+/// itself) that is committed into the buffer or abandoned.  The payload's
+/// memory is never freed or made read-only while a view of it is exported
+/// (`commit` refuses with `BufferError` until every view is released), so a
+/// view can never outlive it.
+#[pyclass(frozen, module = "lowwater")]
+pub struct PendingShard {
+    buffer: Py<FetchBuffer>,
+    pending: Mutex<Option<CorePending>>,
+    exports: AtomicUsize,
+}
+
+impl PendingShard {
+    fn take(&self, what: &str) -> PyResult<CorePending> {
+        let mut slot = self.pending.lock().map_err(|_| PyValueError::new_err("pending shard lock poisoned"))?;
+        if slot.is_none() {
+            return Err(PyValueError::new_err(format!(
+                "cannot {what}: this pending shard was already committed or abandoned"
+            )));
+        }
+        if self.exports.load(AtomicOrdering::Acquire) != 0 {
+            return Err(PyBufferError::new_err(format!(
+                "cannot {what}: a view of the pending payload is still held (release every memoryview first)"
+            )));
+        }
+        Ok(slot.take().expect("checked above"))
+    }
+}
+
+#[pymethods]
+impl PendingShard {
+    #[getter]
+    fn shard_id(&self) -> PyResult<String> {
+        let slot = self.pending.lock().map_err(|_| PyValueError::new_err("pending shard lock poisoned"))?;
+        Ok(slot.as_ref().map(|p| p.id().to_string()).unwrap_or_default())
+    }
+
+    #[getter]
+    fn nbytes(&self) -> PyResult<usize> {
+        let slot = self.pending.lock().map_err(|_| PyValueError::new_err("pending shard lock poisoned"))?;
+        Ok(slot.as_ref().map_or(0, |p| p.len()))
+    }
+
+    fn __len__(&self) -> PyResult<usize> {
+        self.nbytes()
+    }
+
+    /// Insert the filled payload into its buffer (replacing any shard of
+    /// that id).  Raises `BufferError` while a view is held, `ValueError`
+    /// when already committed or abandoned.
+    fn commit(&self, py: Python<'_>) -> PyResult<()> {
+        guarded(|| {
+            let pending = self.take("commit")?;
+            let buffer = self.buffer.bind(py).get();
+            // Making a large mapping read-only and inserting run without the GIL.
+            py.detach(|| buffer.inner.commit(pending)).map_err(to_py)
+        })
+    }
+
+    /// Give the reservation back without inserting (idempotent).
+    fn abandon(&self, py: Python<'_>) -> PyResult<()> {
+        guarded(|| match self.take("abandon") {
+            Ok(pending) => {
+                let buffer = self.buffer.bind(py).get();
+                py.detach(|| buffer.inner.abandon(pending));
+                Ok(())
+            }
+            Err(e) if e.is_instance_of::<PyBufferError>(py) => Err(e),
+            Err(_) => Ok(()),
+        })
+    }
+
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        let me = slf.get();
+        let mut slot = me.pending.lock().map_err(|_| PyValueError::new_err("pending shard lock poisoned"))?;
+        let Some(pending) = slot.as_mut() else {
+            return Err(PyBufferError::new_err("this pending shard was already committed or abandoned"));
+        };
+        let bytes = pending.as_mut_slice();
+        // SAFETY: the payload's memory does not move or go away while it is in
+        // `pending` (a heap box or a mapping), and it cannot leave `pending`
+        // while `exports` is non-zero (commit/abandon refuse); the view keeps
+        // `slf` alive until released.
+        let rc = unsafe {
+            ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                bytes.as_mut_ptr() as *mut c_void,
+                bytes.len() as ffi::Py_ssize_t,
+                0,
+                flags,
+            )
+        };
+        if rc != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        me.exports.fetch_add(1, AtomicOrdering::AcqRel);
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {
+        self.exports.fetch_sub(1, AtomicOrdering::AcqRel);
+    }
+
+    fn __repr__(&self) -> String {
+        match self.pending.lock() {
+            Ok(slot) => match slot.as_ref() {
+                Some(p) => format!("PendingShard(shard_id={:?}, nbytes={})", p.id(), p.len()),
+                None => "PendingShard(done)".to_string(),
+            },
+            Err(_) => "PendingShard(poisoned)".to_string(),
+        }
+    }
+}
+
+impl Drop for PendingShard {
+    fn drop(&mut self) {
+        // Neither committed nor abandoned: give the reservation back.
+        if let Ok(slot) = self.pending.get_mut() {
+            if let Some(pending) = slot.take() {
+                Python::attach(|py| self.buffer.bind(py).get().inner.abandon(pending));
+            }
+        }
+    }
+}
+
 /// The shard fetch buffer: `shard_id -> shard` with explicit eviction only.
 #[pyclass(frozen, module = "lowwater")]
 pub struct FetchBuffer {
@@ -119,6 +247,30 @@ impl FetchBuffer {
             let put = || self.inner.put(shard_id, bytes, dtype, dims, owner);
             let result = if bytes.len() >= DETACH_BYTES { py.detach(put) } else { put() };
             result.map_err(to_py)
+        })
+    }
+
+    /// Start a put whose payload is written in place (a socket reads
+    /// straight into it): returns a `PendingShard`, a writable buffer of
+    /// `prod(shape) * itemsize(dtype)` zero bytes, to `commit()` or `abandon()`.
+    #[pyo3(signature = (shard_id, *, dtype, shape, owner = ""))]
+    fn reserve(
+        slf: &Bound<'_, Self>,
+        shard_id: &str,
+        dtype: &str,
+        shape: &Bound<'_, PyAny>,
+        owner: &str,
+    ) -> PyResult<PendingShard> {
+        guarded(|| {
+            let mut stack = [0usize; 8];
+            let mut heap = Vec::new();
+            let dims = parse_shape(shape, &mut stack, &mut heap)?;
+            let pending = slf.get().inner.reserve(shard_id, dtype, dims, owner).map_err(to_py)?;
+            Ok(PendingShard {
+                buffer: slf.clone().unbind(),
+                pending: Mutex::new(Some(pending)),
+                exports: AtomicUsize::new(0),
+            })
         })
     }
 

@@ -15,6 +15,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<fetch_buffer::FetchBuffer>()?;
     m.add_class::<fetch_buffer::ShardView>()?;
+    m.add_class::<fetch_buffer::PendingShard>()?;
     m.add_class::<intercept::InterceptTable>()?;
     m.add_class::<intercept::InterceptView>()?;
     // dtype name -> item size in bytes, the table `put` validates against.

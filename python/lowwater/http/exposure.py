@@ -1,0 +1,118 @@
+"""Where a lowwater server binds and what address it hands out.
+
+Every server binds loopback by default.  Beyond one machine (a Ray backend
+whose workers call the model server from other nodes; consumers fetching
+shards from another host) a server binds a reachable host and *advertises*
+an address the others can dial: the bind host itself, or for a wildcard
+bind (``0.0.0.0``, ``::``) this host's primary address.  Anything bound
+beyond loopback must be protected: it requires the admin key (per-rollout
+secrets are required already), and says so when it starts.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+
+log = logging.getLogger("lowwater.http")
+
+#: The variable that holds the admin key (as ``lowwater proxy`` reads it).
+ADMIN_KEY_ENV = "LOWWATER_ADMIN_KEY"
+
+
+class ExposureError(ValueError):
+    """A server would listen beyond loopback without the admin key, or an
+    address others must reach is loopback-only."""
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback IP (``127.0.0.0/8``, ``::1``)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_wildcard(host: str) -> bool:
+    """``0.0.0.0``, ``::`` or empty: every interface."""
+    return host.strip("[]") in ("", "0.0.0.0", "::")
+
+
+def primary_address() -> str:
+    """This host's address on its default route (no packet is sent: a UDP
+    socket is only *connected*); ``127.0.0.1`` when there is no route."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))  # TEST-NET-1 (RFC 5737): never routed anywhere real
+        return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        probe.close()
+
+
+def advertised_host(bind: str, advertise: str | None = None) -> str:
+    """The host to hand out for a server bound to ``bind``: ``advertise``
+    if given, this host's primary address for a wildcard bind, else ``bind``."""
+    if advertise:
+        return advertise
+    if is_wildcard(bind):
+        return primary_address()
+    return bind
+
+
+def join(host: str, port: int) -> str:
+    """``host:port`` (an IPv6 host in brackets)."""
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def check_bind(what: str, host: str, admin_key: str | None, *, key_env: str = ADMIN_KEY_ENV) -> None:
+    """Refuse to bind ``what`` beyond loopback without an admin key; log
+    (warning) that it does when it does.
+
+    Raises:
+        ExposureError: ``host`` is not loopback and ``admin_key`` is empty.
+    """
+    if is_loopback(host):
+        return
+    if not admin_key:
+        raise ExposureError(
+            f"refusing to bind {what} to {host} (beyond loopback) without an admin key: set {key_env} "
+            f"(every request must then carry it; per-rollout secrets stay required), or bind 127.0.0.1"
+        )
+    log.warning("%s listens on %s, beyond loopback: the admin key is required on every request", what, host)
+
+
+def require_reachable(what: str, url_or_host: str, backend: str) -> None:
+    """Refuse a loopback address that workers on other hosts must reach.
+
+    Raises:
+        ExposureError: ``url_or_host`` is a loopback address.
+    """
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url_or_host).hostname if "://" in url_or_host else url_or_host.rpartition(":")[0]
+    if host is not None and is_loopback(host or "127.0.0.1"):
+        raise ExposureError(
+            f"backend {backend!r} runs env workers on other hosts, which cannot reach {what} at {url_or_host} "
+            f"(bound to loopback): bind it to a reachable address (lowwater eval --bind 0.0.0.0 with "
+            f"{ADMIN_KEY_ENV} set, or --model-url with an address the workers can reach)"
+        )
+
+
+__all__ = [
+    "ADMIN_KEY_ENV",
+    "ExposureError",
+    "advertised_host",
+    "check_bind",
+    "is_loopback",
+    "is_wildcard",
+    "join",
+    "primary_address",
+    "require_reachable",
+]
