@@ -57,3 +57,13 @@ def one_of(choices: tuple[str, ...], label: str | None = None) -> Validator:
             raise ValueError(f"{_label(attribute, label)} must be one of {', '.join(choices)}, not {value!r}")
 
     return check
+
+
+def program_needs_harness(instance: Any, _attribute: Any, value: Any) -> None:
+    """A ``program`` (``--program``) only with ``harness="program"`` (``ValueError`` otherwise)."""
+    if value is None:
+        return
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"program must be a non-empty command line, not {value!r}")
+    if instance.harness != "program":
+        raise ValueError("--program runs the agent as a program: give --harness program with it")

@@ -49,9 +49,18 @@ class EngineConfig:
             upstream (``temperature``, ``top_p``, ``max_tokens``, any other
             key); a key the agent's request sets itself wins (see
             :mod:`lowwater.interception.sampling`).
+        runtime: the runtime's registered name (``None``: the environment's
+            :attr:`~lowwater.environment.Environment.runtime`, else
+            ``"subprocess"``); see :mod:`lowwater.runtime_choice`.
+        runtime_options: the runtime's options (JSON values), over the
+            environment's ``runtime_options`` key by key.
+        program: with ``harness="program"``, a command line (``shlex``
+            syntax) run as the agent instead of the environment's own harness
+            (:mod:`lowwater.program_harness`); ``None``: the environment's.
 
     Raises:
-        ValueError: a count below 1, a non-positive timeout, an unknown harness.
+        ValueError: a count below 1, a non-positive timeout, an unknown
+            harness, a ``program`` without ``harness="program"``.
     """
 
     env: str = "arithmetic"
@@ -65,6 +74,9 @@ class EngineConfig:
     persistent: bool = True
     pass_env: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     sampling: dict[str, Any] = attrs.field(factory=dict)
+    runtime: str | None = None
+    runtime_options: dict[str, Any] = attrs.field(factory=dict)
+    program: str | None = attrs.field(default=None, validator=v.program_needs_harness)
 
     def to_json(self) -> dict[str, Any]:
         """The settings a worker process needs, JSON-able."""
@@ -127,8 +139,9 @@ async def open_engine(
                     model=config.model.name,
                     max_turns=config.max_turns,
                     deadlines=Deadlines(rollout_s=config.timeout_s),
-                    runtime_config=_runtime_config(config),
+                    runtime_config=engine_runtime_config(config, env, plugins),
                     pool=pool,
+                    program=program_argv(config),
                 )
                 yield engine, server
                 services.cancel_scope.cancel()
@@ -153,12 +166,33 @@ def pool_size(concurrency: int) -> int:
     return max(1, min(concurrency, 2 * (os.cpu_count() or 1)))
 
 
-def _runtime_config(config: EngineConfig) -> Any:
+def engine_runtime_config(config: EngineConfig, env: Environment | None = None, plugins: Any = None) -> Any:
+    """The :class:`~lowwater.runtime.RuntimeConfig` of ``config``'s runtime, chosen
+    with ``env``'s declared need (:func:`lowwater.runtime_choice.choose_runtime`,
+    which validates the name and options when ``plugins`` is given)."""
     try:
         from lowwater.runtime import RuntimeConfig
     except ImportError:  # runtime plugin disabled or absent: in-process only
         return None
-    return RuntimeConfig(kind="subprocess", persistent=config.persistent, pass_env=config.pass_env)
+    from lowwater.runtime_choice import DEFAULT_RUNTIME, choose_runtime, freeze
+
+    if plugins is not None:
+        kind, options = choose_runtime(plugins, config.runtime, config.runtime_options, env)
+    else:
+        kind = config.runtime or getattr(env, "runtime", None) or DEFAULT_RUNTIME
+        options = {**dict(getattr(env, "runtime_options", None) or {}), **config.runtime_options}
+    return RuntimeConfig(
+        kind=kind,
+        persistent=config.persistent,
+        pass_env=config.pass_env,
+        options={k: freeze(v) for k, v in options.items()},
+    )
+
+
+def program_argv(config: EngineConfig) -> tuple[str, ...] | None:
+    from lowwater.program_harness import parse_program
+
+    return None if config.program is None else parse_program(config.program)
 
 
 class EngineJob(WorkerJob):

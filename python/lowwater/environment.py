@@ -12,6 +12,7 @@ helpers of :mod:`lowwater.harness`; nothing else of lowwater's runtime.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -152,6 +153,13 @@ class Environment:
     """
 
     name: str = ""
+    #: The runtime this environment's programs and scripts need (a
+    #: ``register_runtimes`` name), or ``None``: whatever the run chooses
+    #: (``--runtime``; default ``"subprocess"``).  A run naming a different
+    #: runtime is refused (:func:`lowwater.runtime_choice.choose_runtime`).
+    runtime: str | None = None
+    #: Options for that runtime; ``--runtime-option`` overrides them key by key.
+    runtime_options: Mapping[str, Any] = MappingProxyType({})
 
     def tasks(self) -> Iterator[Task]:
         """Yield the taskset lazily, in a stable order."""

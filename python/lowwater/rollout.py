@@ -296,6 +296,8 @@ class Engine:
         runtime_config: the runtime to provision on first use.
         pool: a :class:`lowwater.runtime.RuntimePool` when runtimes are
             persistent; ``None`` starts an ephemeral runtime per rollout.
+        program: an agent program's argv run instead of the environment's
+            harness (``--program``; :mod:`lowwater.program_harness`), or ``None``.
 
     Raises:
         ValueError: an unknown harness.
@@ -315,6 +317,7 @@ class Engine:
         retry: RetryPolicy = RetryPolicy(),
         runtime_config: RuntimeConfig | None = None,
         pool: RuntimePool | None = None,
+        program: tuple[str, ...] | None = None,
     ) -> None:
         if harness not in HARNESSES:
             raise ValueError(f"harness must be one of {HARNESSES}, not {harness!r}")
@@ -329,6 +332,7 @@ class Engine:
         self.retry = retry
         self.runtime_config = runtime_config
         self.pool = pool
+        self.program = program
         self.registry = TrajectoryRegistry()
         #: Runtimes currently held by a rollout (rollout id -> runtime).
         self.runtimes: dict[str, Runtime] = {}
@@ -530,6 +534,11 @@ class Engine:
             runtime_getter=rollout.runtime,
         )
         rollout.context = ctx
+        if self.program is not None:
+            from lowwater.program_harness import run_program  # lazy: only program runs need it
+
+            await run_program(ctx, self.program)
+            return
         await self.env.harness(ctx)
 
     async def _score(self, rollout: Rollout) -> None:

@@ -62,6 +62,26 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="inprocess: the agent is a coroutine in this process; program: an agent program in a runtime "
         "(default inprocess)",
     )
+    p.add_argument(
+        "--program",
+        metavar="'CMD ARGS'",
+        help="with --harness program: run this command as the agent instead of the environment's own (task JSON "
+        "on stdin; OPENAI_/ANTHROPIC_ BASE_URL and API_KEY and LOWWATER_MODEL in its environment; its last JSON "
+        "line on stdout is the answer)",
+    )
+    p.add_argument(
+        "--runtime",
+        metavar="NAME",
+        help="the runtime agent programs and scripts run in (default: the environment's, else subprocess; see "
+        "`lowwater plugins`)",
+    )
+    p.add_argument(
+        "--runtime-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="runtime option (repeatable; VALUE is JSON, else a string): --runtime-option cpus=2",
+    )
     p.add_argument("--temperature", type=float, help="sampling temperature sent with every model call")
     p.add_argument("--top-p", type=float, help="nucleus sampling top_p sent with every model call")
     p.add_argument(
@@ -177,6 +197,7 @@ def parse_sampling(args: argparse.Namespace) -> dict[str, Any]:
 def build_config(args: argparse.Namespace) -> Any:
     from lowwater.eval import EvalConfig
     from lowwater.eval.runner import parse_task_id
+    from lowwater.runtime_choice import parse_options
     from lowwater.upstream.spec import UpstreamError, parse_model
 
     options: dict[str, Any] = {"seed": args.seed}
@@ -233,6 +254,9 @@ def build_config(args: argparse.Namespace) -> Any:
             pass_env=tuple(args.pass_env),
             samples=not args.no_samples,
             max_error_rate=args.max_error_rate,
+            runtime=args.runtime,
+            runtime_options=parse_options(args.runtime_option),
+            program=args.program,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

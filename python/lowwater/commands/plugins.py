@@ -17,6 +17,26 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+def runtime_options(plugins: Any) -> dict[str, list[dict[str, Any]] | None]:
+    """Each runtime's declared options (``--runtime-option``), as ``lowwater envs``
+    lists an environment's: ``None`` for a runtime that declares none."""
+    from lowwater.commands.envs import _plain
+    from lowwater.environment import declared_options
+
+    out: dict[str, list[dict[str, Any]] | None] = {}
+    for name in sorted(plugins.runtimes):
+        declared = declared_options(plugins.runtimes[name])
+        out[name] = (
+            None
+            if declared is None
+            else [
+                {"name": key, "default": _plain(o.default), "required": o.required, "help": o.help}
+                for key, o in declared.items()
+            ]
+        )
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from lowwater.plugins import disabled_names, load
 
@@ -33,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         "cleanup_policies": sorted(plugins.cleanup_policies),
         "backends": sorted(plugins.backends),
         "shard_transports": sorted(plugins.shard_transports),
+        "runtime_options": runtime_options(plugins),
     }
     if args.json:
         print(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
@@ -49,6 +70,15 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     for kind in ("runtimes", "protocols", "environments", "cleanup_policies", "backends", "shard_transports"):
         console.print(f"{kind.replace('_', ' ')}: {', '.join(data[kind]) or 'none'}")
+    for name, options in data["runtime_options"].items():
+        if options is None:
+            console.print(f"runtime {name}: declares no options (--runtime-option takes any KEY=VALUE)")
+            continue
+        if not options:
+            console.print(f"runtime {name}: takes no --runtime-option")
+        for o in options:
+            default = "required" if o["required"] else f"default {o['default']!r}"
+            console.print(f"runtime {name}: --runtime-option {o['name']} ({default}) {o['help']}".rstrip())
     for f in data["failed"]:
         console.print(f"[red]failed[/red] {f['name']} ({f['dist'] or 'no distribution'}): {f['reason']}")
     if data["disabled"]:

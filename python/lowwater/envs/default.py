@@ -54,7 +54,13 @@ class ArithmeticEnvironment(Environment):
         ctx.rollout.state["final_text"] = await run_calculator_agent(ctx)
 
     async def score(self, rollout: Rollout) -> Score:
-        answer = final_answer(rollout.state.get("final_text"))
+        # --program agents leave their last JSON line in state["answer"]: a
+        # final text ("... A: 42"), or the bare answer ("42", 42).
+        text = rollout.state.get("final_text")
+        if text is None and "answer" in rollout.state:
+            given = rollout.state["answer"]
+            text = given if isinstance(given, str) and final_answer(given) else f"A: {given}"
+        answer = final_answer(text)
         if answer is None:
             return Score(0.0, {"correct": False, "answer": None})
         correct = same_number(answer, rollout.task.answer)

@@ -35,6 +35,7 @@ DEFINING_KEYS = (
     "group_size",
     "harness",
     "runtime",
+    "program",
     "max_turns",
     "timeout_s",
 )
@@ -73,13 +74,29 @@ def build_header(config: Any, run_id: str) -> dict[str, Any]:
         "seed": config.seed,
         "group_size": config.group_size,
         "harness": config.harness,
-        "runtime": {"kind": "subprocess", "persistent": config.persistent, "pass_env": sorted(config.pass_env)},
+        "runtime": runtime(config),
+        "program": getattr(config, "program", None),
         "max_turns": config.max_turns,
         "timeout_s": config.timeout_s,
         "tasks": selection(config),
         "samples": config.samples_path.name if config.samples_path is not None else None,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def runtime(config: Any) -> dict[str, Any]:
+    """The runtime the rows ran in: ``kind``, ``persistent``, ``pass_env`` and,
+    when any was given, ``options`` (absent otherwise, so a file written before
+    runtimes had options resumes with none)."""
+    out: dict[str, Any] = {
+        "kind": getattr(config, "runtime", None) or "subprocess",
+        "persistent": config.persistent,
+        "pass_env": sorted(config.pass_env),
+    }
+    options = getattr(config, "runtime_options", None)
+    if options:
+        out["options"] = dict(sorted(options.items()))
+    return out
 
 
 def selection(config: Any) -> dict[str, Any]:

@@ -109,6 +109,11 @@ class EvalConfig:
             (``--no-samples`` turns it off).
         max_error_rate: the share of rollouts (0 to 1) that may end in an
             error before ``lowwater eval`` exits non-zero.
+        runtime: the runtime's registered name (``--runtime``; ``None``: the
+            environment's, else ``"subprocess"``; :mod:`lowwater.runtime_choice`).
+        runtime_options: its options (``--runtime-option KEY=VALUE``).
+        program: the agent program's command line with ``harness="program"``
+            (``--program``; :mod:`lowwater.program_harness`).
 
     Raises:
         ValueError: a setting out of range (the message names its flag).
@@ -143,6 +148,9 @@ class EvalConfig:
     pass_env: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     samples: bool = True
     max_error_rate: float = attrs.field(default=0.0)
+    runtime: str | None = None
+    runtime_options: dict[str, Any] = attrs.field(factory=dict)
+    program: str | None = attrs.field(default=None, validator=v.program_needs_harness)
 
     @backend.validator
     def _check_backend(self, _attribute: Any, value: str) -> None:
@@ -173,6 +181,9 @@ class EvalConfig:
             persistent=self.persistent,
             pass_env=self.pass_env,
             sampling=self.sampling,
+            runtime=self.runtime,
+            runtime_options=self.runtime_options,
+            program=self.program,
         )
 
 
@@ -286,6 +297,24 @@ class EvalReport:
     pool: dict[str, Any] | None = None
     tasks_available: int | None = None
     run_id: str = ""
+
+
+async def _choose_runtime(config: EvalConfig, env: Environment, plugins: plugins_mod.Plugins) -> EvalConfig:
+    """``config`` with its runtime chosen (:func:`lowwater.runtime_choice.choose_runtime`)
+    and, for ``--program``, the program checked once (:func:`lowwater.program_harness.preflight`)."""
+    from lowwater.runtime_choice import choose_runtime
+
+    name, options = choose_runtime(plugins, config.runtime, config.runtime_options, env)
+    config = attrs.evolve(config, runtime=name, runtime_options=options)
+    if config.program is not None:
+        from lowwater.assembly import engine_runtime_config, program_argv
+        from lowwater.program_harness import preflight
+
+        runtime_config = engine_runtime_config(config.engine(), env)
+        argv = program_argv(config.engine())
+        if runtime_config is not None and argv is not None:
+            await preflight(plugins, runtime_config, argv, model=config.model.name)
+    return config
 
 
 def check_options(name: str, factory: Any, options: dict[str, Any]) -> None:
@@ -407,7 +436,10 @@ async def run_eval(
         lowwater.plugins.UnknownName: unknown environment.
         lowwater.eval.results.ResultsFileError: ``out`` cannot be (re)used.
         lowwater.upstream.spec.UpstreamError: the model cannot be started/reached.
-        ValueError: bad environment options or task ids.
+        ValueError: bad environment options or task ids, an unknown runtime
+            option, a ``--runtime`` the environment does not allow.
+        lowwater.program_harness.ProgramStartError: the ``--program`` cannot
+            start (its imports fail).
     """
     record = record if record is not None else MemoryRecord()
     plugins = plugins or plugins_mod.load()
@@ -417,8 +449,11 @@ async def run_eval(
         plugins.backend(config.backend)  # an unknown --backend fails before anything starts
     env: Environment = factory(config.env_options)
     run_id = uuid.uuid4().hex[:12]
-    header = build_header(config, run_id)
     try:
+        # Resolved here, once: the header records the runtime the rows ran
+        # in, and workers get the name, never a choice of their own.
+        config = await _choose_runtime(config, env, plugins)
+        header = build_header(config, run_id)
         state = prepare(
             config.out, header, resume=config.resume, group_size=config.group_size, max_attempts=config.max_attempts
         )

@@ -30,6 +30,8 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
 import trio
 
@@ -52,6 +54,10 @@ class SubprocessRuntime(Runtime):
     Args:
         config: the runtime's config; ``kind`` is not checked here.
     """
+
+    #: ``--runtime-option`` keys it takes: none, so a typo is refused rather
+    #: than silently ignored (:mod:`lowwater.runtime_choice`).
+    options: Mapping[str, Any] = MappingProxyType({})
 
     def __init__(self, config: RuntimeConfig | None = None) -> None:
         super().__init__(config if config is not None else RuntimeConfig())

@@ -35,7 +35,7 @@ import trio
 from lowwater import _validate as v
 from lowwater import plugins as plugins_mod
 from lowwater._native import LowwaterError
-from lowwater.assembly import EngineConfig
+from lowwater.assembly import EngineConfig, engine_runtime_config, program_argv
 from lowwater.environment import HARNESSES, Environment, Task
 from lowwater.rollout import Deadlines, Engine, Group
 from lowwater.trainer.pooled import GroupPool
@@ -81,6 +81,12 @@ class TrainerConfig:
             a plugin's (``"ray"``); anything but ``"local"`` needs ``workers``.
         ray_address: the cluster the backend joins (``ray``: ``"auto"`` or
             ``HOST:PORT``; ``None``: the backend's default).
+        runtime: the runtime agent programs and scripts run in (a
+            ``register_runtimes`` name; ``None``: the environment's, else
+            ``"subprocess"``; :mod:`lowwater.runtime_choice`).
+        runtime_options: its options, over the environment's key by key.
+        program: with ``harness="program"``, a command line run as the agent
+            instead of the environment's harness (:mod:`lowwater.program_harness`).
 
     Raises:
         ValueError: a count or timeout out of range, an unknown harness, a
@@ -101,6 +107,9 @@ class TrainerConfig:
     max_tasks_per_worker: int | None = attrs.field(default=None, validator=v.optional(v.at_least(1)))
     backend: str = attrs.field(default="local")
     ray_address: str | None = None
+    runtime: str | None = None
+    runtime_options: dict[str, Any] = attrs.field(factory=dict)
+    program: str | None = attrs.field(default=None, validator=v.program_needs_harness)
 
     @backend.validator
     def _check_backend(self, _attribute: Any, value: str) -> None:
@@ -118,6 +127,9 @@ class TrainerConfig:
             max_turns=self.max_turns,
             timeout_s=self.timeout_s,
             harness=self.harness,
+            runtime=self.runtime,
+            runtime_options=self.runtime_options,
+            program=self.program,
         )
 
 
@@ -209,6 +221,7 @@ class Lowwater:
         env: Environment = plugins.environment(config.env)(config.env_options)
         store = ShardStore()
         try:
+            runtime_config = await _check_runtime(config, env, plugins)
             async with model_server(config.model) as url, ModelClient(url, api_key=config.model.api_key) as client:
                 server = InterceptionServer(
                     client, protocols=list(plugins.protocols.values()) or None, request_logprobs=config.request_logprobs
@@ -235,6 +248,8 @@ class Lowwater:
                             model=config.model.name,
                             max_turns=config.max_turns,
                             deadlines=Deadlines(rollout_s=config.timeout_s),
+                            runtime_config=runtime_config,
+                            program=program_argv(config.engine()),
                         )
                         lw = cls(config, engine, store, http, plugins)
                     try:
@@ -345,6 +360,20 @@ class Lowwater:
 
 #: Seconds the pool gets to stop its workers when the trainer closes.
 _POOL_STOP_S = 60.0
+
+
+async def _check_runtime(config: TrainerConfig, env: Environment, plugins: Any) -> Any:
+    """The in-process engine's runtime config, chosen and validated before
+    anything starts; a ``program`` that cannot start raises
+    :class:`lowwater.program_harness.ProgramStartError` here, not per rollout."""
+    engine_config = attrs.evolve(config.engine(), persistent=False)
+    runtime_config = engine_runtime_config(engine_config, env, plugins)
+    argv = program_argv(engine_config)
+    if runtime_config is not None and argv is not None:
+        from lowwater.program_harness import preflight
+
+        await preflight(plugins, runtime_config, argv, model=config.model.name)
+    return runtime_config
 
 
 def _steps_of(shard_ids: Sequence[str]) -> set[int]:
