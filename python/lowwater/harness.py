@@ -3,8 +3,9 @@
 What the built-in arithmetic environment and the GSM8K plugin share, for any
 environment to reuse through public names only:
 
-* :func:`chat_tool_loop` — an in-process chat-completions loop with the
-  ``calculator`` tool, over the engine's client (``ctx.http``);
+* :func:`chat_tool_loop` — an in-process chat-completions loop over the
+  engine's client (``ctx.http``), with the ``calculator`` tool or tools made
+  from plain Python functions (:func:`function_tool`);
 * :func:`run_program_agent` — the built-in agent *program* (the same loop
   with the official ``openai`` SDK) run in the rollout's runtime, warm on a
   persistent runtime;
@@ -18,7 +19,10 @@ change is announced with a :class:`DeprecationWarning` one release ahead.
 
 from __future__ import annotations
 
+import inspect
 import re
+import typing
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +43,7 @@ __all__ = [
     "SYSTEM_PROMPT",
     "chat_tool_loop",
     "final_answer",
+    "function_tool",
     "run_calculator",
     "run_calculator_agent",
     "run_program_agent",
@@ -83,11 +88,76 @@ def run_calculator(arguments: str) -> str:
     return tool_answer(arguments)
 
 
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+
+
+def function_tool(fn: Callable[..., Any]) -> dict[str, Any]:
+    """A chat-completions ``tools`` entry for a plain Python function.
+
+    The name is ``fn.__name__``, the description the docstring's first
+    paragraph, and each parameter a property typed from its annotation
+    (``str``, ``int``, ``float``, ``bool``, ``list``, ``dict``; anything
+    else is left untyped); parameters without a default are required::
+
+        def lookup(city: str, days: int = 1) -> str:
+            \"\"\"Weather forecast for a city.\"\"\"
+
+    Raises:
+        TypeError: ``fn`` takes ``*args``/``**kwargs`` (no schema for them).
+    """
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # unresolvable forward references: leave parameters untyped
+        hints = {}
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    for name, param in inspect.signature(fn).parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise TypeError(f"tool {fn.__name__!r}: *args/**kwargs have no JSON schema")
+        kind = _JSON_TYPES.get(typing.get_origin(hints.get(name)) or hints.get(name))
+        properties[name] = {"type": kind} if kind else {}
+        if param.default is param.empty:
+            required.append(name)
+    doc = inspect.getdoc(fn) or ""
+    return {
+        "type": "function",
+        "function": {
+            "name": fn.__name__,
+            "description": doc.split("\n\n")[0].strip(),
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        },
+    }
+
+
+async def _call_tool(tools: dict[str, Callable[..., Any]], call: dict[str, Any]) -> str:
+    """A tool call's answer as text; every failure is text the model sees."""
+    function = call.get("function") or {}
+    fn = tools.get(function.get("name", ""))
+    if fn is None:
+        return f"error: no tool named {function.get('name')!r}"
+    try:
+        arguments = orjson.loads(function.get("arguments") or "{}")
+        result = fn(**arguments)
+        if inspect.isawaitable(result):
+            result = await result
+    except Exception as exc:  # the model sent bad arguments or the tool failed: tell it
+        return f"error: {type(exc).__name__}: {exc}"
+    return result if isinstance(result, str) else orjson.dumps(result).decode()
+
+
 async def chat_tool_loop(
-    http: httpx.AsyncClient, base_url: str, api_key: str, question: str, *, model: str, max_turns: int
+    http: httpx.AsyncClient,
+    base_url: str,
+    api_key: str,
+    question: str,
+    *,
+    model: str,
+    max_turns: int,
+    tools: Sequence[Callable[..., Any]] | None = None,
+    system: str = SYSTEM_PROMPT,
 ) -> str:
-    """Ask ``question`` with :data:`SYSTEM_PROMPT`, answer ``calculator`` calls,
-    and return the first assistant text without tool calls.
+    """Ask ``question`` with ``system``, answer tool calls, and return the
+    first assistant text without tool calls.
 
     Args:
         http: the client to call with (in a harness: ``ctx.http``, whose read
@@ -97,6 +167,11 @@ async def chat_tool_loop(
         question: the user message (``ctx.task.prompt``).
         model: the model name to put in requests (``ctx.model``).
         max_turns: model calls allowed (``ctx.max_turns``).
+        tools: plain Python functions (sync or ``async``) offered as tools
+            (:func:`function_tool`); a call's JSON arguments are passed as
+            keywords and a non-string result is sent back as JSON.
+            ``None``: the ``calculator`` tool.
+        system: the system message (default :data:`SYSTEM_PROMPT`).
 
     Raises:
         RolloutFailed: ``model`` class for a non-200 answer or a reply
@@ -105,13 +180,15 @@ async def chat_tool_loop(
         httpx.HTTPError: the call itself failed (classified ``model``).
     """
     messages: list[dict[str, Any]] = [
-        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "system", "content": system},
         {"role": "user", "content": question},
     ]
+    table = None if tools is None else {fn.__name__: fn for fn in tools}
+    specs = [CALCULATOR_TOOL] if tools is None else [function_tool(fn) for fn in tools]
     url = f"{base_url}/chat/completions"
     headers = {"authorization": f"Bearer {api_key}", "content-type": "application/json"}
     for _ in range(max_turns):
-        body = {"model": model, "messages": messages, "tools": [CALCULATOR_TOOL]}
+        body = {"model": model, "messages": messages, "tools": specs}
         response = await http.post(url, content=orjson.dumps(body), headers=headers)
         if response.status_code != 200:
             raise RolloutFailed("model", f"model call answered {response.status_code}: {response.text[:200]}")
@@ -124,7 +201,10 @@ async def chat_tool_loop(
         if not tool_calls:
             return message.get("content") or ""
         for call in tool_calls:
-            result = run_calculator(call.get("function", {}).get("arguments", "{}"))
+            if table is not None:
+                result = await _call_tool(table, call)
+            else:
+                result = run_calculator(call.get("function", {}).get("arguments", "{}"))
             messages.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": result})
     raise RolloutFailed("environment", f"no final answer after {max_turns} model calls")
 
