@@ -146,3 +146,28 @@ def test_sampling_flags_are_recorded_in_the_header(tmp_path):
     assert header["sampling"] == {
         "max_tokens": 64, "note": "plain", "seed": 3, "stop": ["x"], "temperature": 0.5, "top_p": 0.9,
     }  # fmt: skip
+
+
+def test_a_model_server_dying_mid_run_ends_the_run_at_once(tmp_path):
+    import psutil
+
+    out = tmp_path / "r.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lowwater", "eval", "-n", "400", "-c", "2", "--out", str(out), "--no-progress"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while (not out.exists() or out.read_bytes().count(b"\n") < 3) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (child,) = [c for c in psutil.Process(proc.pid).children() if "serve-model" in c.cmdline()]
+        child.kill()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, err
+    assert "serve-model exited mid-run" in err and "Traceback" not in err
+    rows = read_rows(out)[1]
+    assert len(rows) < 400  # it stopped, rather than failing every remaining rollout
+    assert all(r["error"] is None or r["error"]["class"] in ("cancelled", "model") for r in rows)

@@ -105,8 +105,9 @@ async def model_server(spec: ModelSpec, *, start_timeout_s: float = 60.0) -> Asy
 
     Raises:
         UpstreamError: the child exited or printed no URL within
-            ``start_timeout_s`` (its stderr tail is in the message), or the
-            URL is unreachable.
+            ``start_timeout_s`` (its stderr tail is in the message), the
+            child exited while the block ran (the block is cancelled), or
+            the URL is unreachable.
     """
     if spec.kind == "url":
         await probe(spec.url or "", spec.api_key)
@@ -125,7 +126,7 @@ async def model_server(spec: ModelSpec, *, start_timeout_s: float = 60.0) -> Asy
         try:
             async with trio.open_nursery() as nursery:
                 url = await _read_url(process, start_timeout_s, errfile)
-                nursery.start_soon(_drain, process)
+                nursery.start_soon(_watch, process, errfile)
                 yield url + "/v1"
                 nursery.cancel_scope.cancel()
         finally:
@@ -164,6 +165,22 @@ async def _drain(process: trio.Process) -> None:
     assert process.stdout is not None
     while await process.stdout.receive_some(65536):
         pass
+
+
+async def _watch(process: trio.Process, errfile: Any) -> None:
+    """Drain the child's stdout; if the child exits while the run still uses
+    it, fail the run at once.  A serve-model that died mid-run left every
+    remaining rollout to fail with 502s, each retried three times, for
+    minutes, before the run ended.
+
+    Raises:
+        UpstreamError: the child exited (its status and last stderr line).
+    """
+    await _drain(process)
+    await process.wait()
+    errfile.seek(0)
+    tail = errfile.read()[-65536:].decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+    raise UpstreamError(f"serve-model exited mid-run (status {process.returncode}): {tail[0]}")
 
 
 async def _read_url(process: trio.Process, timeout_s: float, errfile: Any) -> str:
