@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -98,7 +99,14 @@ def lowwater_run(name: str, a: argparse.Namespace, out_dir: Path) -> dict:
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
         tree_peak = eval_tree_peak = 0
-        while proc.poll() is None:
+        while True:
+            # wait4, not poll: the rusage of the eval and every process it
+            # reaped (model server, runtimes, warm workers): CPU seconds are
+            # steadier than walls on a shared machine.
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                proc.returncode = os.waitstatus_to_exitcode(status)
+                break
             tree, eval_tree = tree_rss_bytes(proc.pid)
             tree_peak, eval_tree_peak = max(tree_peak, tree), max(eval_tree_peak, eval_tree)
             time.sleep(0.2)
@@ -110,6 +118,7 @@ def lowwater_run(name: str, a: argparse.Namespace, out_dir: Path) -> dict:
         "summary": json.loads(summary.read_text()),
         "agreement": agreement(out, a),
         "tree_peak": tree_peak,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
         "eval_tree_peak": eval_tree_peak,
         "samples_bytes": samples.stat().st_size if samples.exists() else 0,
     }
@@ -287,6 +296,7 @@ def main() -> None:
                         f"{harness}_resting_over_baseline_mb": s["rss_resting_mb"] - s["rss_baseline_mb"],
                         f"{harness}_tree_rss_peak_mb": run["tree_peak"] / MIB,
                         f"{harness}_eval_tree_rss_peak_mb": run["eval_tree_peak"] / MIB,
+                        f"{harness}_tree_cpu_s": run["cpu_s"],
                         f"{harness}_samples_bytes": run["samples_bytes"],
                     }
                 )
@@ -294,6 +304,8 @@ def main() -> None:
         results[f"{name}_wall_s"] = statistics.median(values)
     for harness in ("inprocess", "program", "inprocess_nosamples"):
         results[f"{harness}_vs_direct_ratio"] = results[f"{harness}_wall_s"] / results["direct_wall_s"]
+    # CPU of the whole tree with transcripts over without (walls are too noisy on a shared box).
+    results["inprocess_samples_cpu_ratio"] = results["inprocess_tree_cpu_s"] / results["inprocess_nosamples_tree_cpu_s"]
     for figure in ("peak", "resting"):
         results[f"inprocess_samples_{figure}_over_nosamples_mb"] = (
             results[f"inprocess_rss_{figure}_mb"] - results[f"inprocess_nosamples_rss_{figure}_mb"]
