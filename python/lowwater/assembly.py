@@ -119,6 +119,7 @@ async def open_engine(
                 client, protocols=list(plugins.protocols.values()) or None, request_logprobs=request_logprobs
             )
             server.sampling = dict(config.sampling)
+            server.interceptors = plugins.interceptors()
             async with (
                 trio.open_nursery() as services,
                 AgentClient(max_idle=config.concurrency, timeout_s=config.timeout_s) as http,

@@ -22,6 +22,10 @@ Two kinds of hooks:
   failed).  A sync implementation of an async spec, or an async
   implementation of a sync spec, is refused at registration with
   :class:`lowwater.plugins.PluginError`.
+* **Interceptors** (async, :data:`ORDERED_HOOKS`): awaited on every
+  intercepted model call, one after another in registration order (each may
+  change what the next sees), never concurrently; see
+  :mod:`lowwater.interception.hooks`.
 """
 
 from __future__ import annotations
@@ -40,7 +44,21 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 #: Names of the specs whose implementations must be ``async def``.
-ASYNC_HOOKS = frozenset({"rollout_start", "rollout_end", "group_end", "step_end", "worker_tick", "shutdown"})
+ASYNC_HOOKS = frozenset(
+    {
+        "rollout_start",
+        "rollout_end",
+        "group_end",
+        "step_end",
+        "worker_tick",
+        "shutdown",
+        "intercept_request",
+        "intercept_response",
+    }
+)
+#: Async specs awaited in registration order, one at a time, on each model call
+#: (:meth:`lowwater.plugins.Plugins.interceptors`), not through ``fire``.
+ORDERED_HOOKS = frozenset({"intercept_request", "intercept_response"})
 
 
 # --- registries -------------------------------------------------------------
@@ -172,3 +190,37 @@ async def worker_tick(stats: dict[str, Any]) -> None:
 @hookspec
 async def shutdown() -> None:
     """The run is ending: tear down pools and release everything held."""
+
+
+# --- interceptors (async, ordered) ----------------------------------------------
+
+
+@hookspec
+async def intercept_request(call: Any) -> None:
+    """An agent's model call, before it is forwarded upstream.
+
+    ``call`` is a :class:`lowwater.interception.hooks.InterceptedCall`:
+    ``rollout_id``, ``protocol`` (``"openai.chat"``, ...) and ``body``, the
+    parsed request as a mutable dict.  Change ``body`` in place (redact,
+    add sampling parameters, ask for logprobs): what the last interceptor
+    leaves is what is sent upstream and recorded as the turn.  Raise
+    :class:`lowwater.interception.Reject` ``(status, message)`` to refuse the
+    call: the agent gets that status with an error body of the call's
+    protocol.  Any other exception refuses it with 500 naming the plugin
+    (fail closed: a redactor that crashed must not let the call through).
+    Awaited in registration order, one at a time.
+    """
+
+
+@hookspec
+async def intercept_response(call: Any, response: Any) -> None:
+    """A model call's complete answer (for a stream: accumulated), before the
+    agent receives its end.
+
+    ``response`` is a read-only
+    :class:`lowwater.interception.hooks.InterceptedResponse` (``completion``,
+    ``finish_reason``, ``usage``, ``token_ids``, ``logprobs`` when present).
+    ``call`` is the request's :class:`~lowwater.interception.hooks.InterceptedCall`.
+    For metering and logging: an exception is logged with the plugin's name
+    and the answer is delivered.  Not called when the upstream failed.
+    """

@@ -36,7 +36,7 @@ log = logging.getLogger("lowwater.plugins")
 ENTRY_POINT_GROUP = "lowwater"
 DISABLE_ENV = "LOWWATER_DISABLE_PLUGINS"
 EXTRA_ENV = "LOWWATER_PLUGINS"
-LIFECYCLE_HOOKS = tuple(sorted(hookspecs.ASYNC_HOOKS))
+LIFECYCLE_HOOKS = tuple(sorted(hookspecs.ASYNC_HOOKS - hookspecs.ORDERED_HOOKS))
 
 
 class PluginError(LowwaterError):
@@ -133,7 +133,11 @@ class Plugins:
         self.shard_transports: dict[str, Any] = {}
         self.infos: list[PluginInfo] = []
         self.failures: list[PluginFailure] = []
+        #: Registrations refused because another plugin had the name (or, for
+        #: protocols, the path) first: one line each, naming both plugins.
+        self.clashes: list[str] = []
         self._owners: dict[tuple[str, str], str] = {}
+        self._paths: dict[str, tuple[str, str]] = {}
 
     # -- loading ------------------------------------------------------------
 
@@ -191,17 +195,25 @@ class Plugins:
         self.failures.append(PluginFailure(name, dist, first_line))
         log.warning("lowwater plugin %r (%s) skipped: %s", name, dist or "no distribution", first_line)
 
-    def build_registries(self) -> None:
+    def build_registries(self, *, strict: bool = True) -> None:
         """Call every registry hook, attributing each registration to its plugin.
 
+        A name registered twice (or a protocol path routed twice) keeps the
+        first plugin's and is listed in :attr:`clashes`, naming both plugins.
+
         Raises:
-            PluginError: two plugins registered the same name.
+            PluginError: with ``strict``, any clash (the first one's line; a run
+                must not pick one of two plugins silently).  ``lowwater
+                plugins`` builds with ``strict=False`` to list them all.
         """
         self._collect("register_runtimes", self.runtimes, keyed=True)
         self._collect("register_protocols", self.protocols, keyed=False)
         self._collect("register_environments", self.environments, keyed=True)
         self._collect("register_cleanup_policies", self.cleanup_policies, keyed=True)
         self._collect("register_backends", self.backends, keyed=True)
+        if strict and self.clashes:
+            more = f" (and {len(self.clashes) - 1} more; see `lowwater plugins`)" if len(self.clashes) > 1 else ""
+            raise PluginError(self.clashes[0] + more)
         self._collect("register_shard_transports", self.shard_transports, keyed=True)
 
     def _collect(self, hook: str, into: dict[str, Any], *, keyed: bool) -> None:
@@ -219,11 +231,30 @@ class Plugins:
                     raise PluginError(f"plugin {_plugin!r}: {kind} names must be non-empty strings")
                 owner = self._owners.get((kind, name))
                 if owner is not None:
-                    raise PluginError(f"{kind[:-1]} {name!r} registered by both {owner!r} and {_plugin!r}")
+                    self.clashes.append(f"{_SINGULAR[kind]} {name!r} registered by both {owner!r} and {_plugin!r}")
+                    return
+                if kind == "protocols" and self._path_clash(obj, name, _plugin):
+                    return
                 self._owners[(kind, name)] = _plugin
                 into[name] = obj
 
             impl.function(register=register)
+
+    def _path_clash(self, protocol: Any, name: str, plugin: str) -> bool:
+        """Record (and say) whether ``protocol``'s path is already routed to another plugin's protocol."""
+        from lowwater.http.routes import normalise  # lazy: the HTTP layer is not needed to list plugins
+
+        path = normalise(getattr(protocol, "path", ""))
+        first = self._paths.get(path)
+        if first is not None:
+            other_plugin, other = first
+            self.clashes.append(
+                f"protocol {name!r} of {plugin!r} and protocol {other!r} of {other_plugin!r} both route {path}"
+                " (to change intercepted calls, implement intercept_request instead of a protocol)"
+            )
+            return True
+        self._paths[path] = (plugin, name)
+        return False
 
     # -- lookup ---------------------------------------------------------------
 
@@ -246,6 +277,25 @@ class Plugins:
         except KeyError:
             known = ", ".join(sorted(table)) or "none"
             raise UnknownName(f"unknown {kind} {name!r} (installed: {known})") from None
+
+    # -- interceptors -----------------------------------------------------------
+
+    def interceptors(self) -> Any:
+        """The ``intercept_request``/``intercept_response`` implementations as a
+        :class:`lowwater.interception.hooks.Interceptors` (in registration
+        order), or ``None`` when no plugin implements either: the server then
+        skips the hook path entirely (zero cost)."""
+        ordered = {}
+        for hook in sorted(hookspecs.ORDERED_HOOKS):
+            ordered[hook] = [
+                (self.pm.get_name(impl.plugin) or "?", impl.function, impl.argnames)
+                for impl in getattr(self.pm.hook, hook).get_hookimpls()
+            ]
+        if not any(ordered.values()):
+            return None
+        from lowwater.interception.hooks import Interceptors  # lazy: listing plugins stays cheap
+
+        return Interceptors(ordered["intercept_request"], ordered["intercept_response"])
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -270,7 +320,7 @@ class Plugins:
         Raises:
             PluginError: ``hook`` is not a lifecycle hook.
         """
-        if hook not in hookspecs.ASYNC_HOOKS:
+        if hook not in LIFECYCLE_HOOKS:
             raise PluginError(f"{hook!r} is not a lifecycle hook")
         impls = [
             (self.pm.get_name(impl.plugin) or "?", impl.function, impl.argnames)
@@ -284,7 +334,7 @@ class Plugins:
         Raises:
             PluginError: ``hook`` is not a lifecycle hook.
         """
-        if hook not in hookspecs.ASYNC_HOOKS:
+        if hook not in LIFECYCLE_HOOKS:
             raise PluginError(f"{hook!r} is not a lifecycle hook")
         policies = [
             (name, getattr(policy, hook), kwargs)
@@ -309,7 +359,18 @@ async def _run_all(calls: list[tuple[str, Any, dict[str, Any]]]) -> None:
             nursery.start_soon(one, name, fn, kwargs)
 
 
-def load(disabled: Iterable[str] | None = None, extra: Iterable[tuple[str, object]] = ()) -> Plugins:
+_SINGULAR = {
+    "runtimes": "runtime",
+    "protocols": "protocol",
+    "environments": "environment",
+    "cleanup_policies": "cleanup policy",
+    "backends": "backend",
+}
+
+
+def load(
+    disabled: Iterable[str] | None = None, extra: Iterable[tuple[str, object]] = (), *, strict: bool = True
+) -> Plugins:
     """Build the plugin manager: entry points (minus ``disabled``, default from
     ``LOWWATER_DISABLE_PLUGINS``), then the modules named in ``LOWWATER_PLUGINS``,
     then ``extra`` ``(name, plugin)`` pairs (for tests and embedding), then
@@ -318,11 +379,12 @@ def load(disabled: Iterable[str] | None = None, extra: Iterable[tuple[str, objec
     Raises:
         PluginError: an ``extra`` or ``LOWWATER_PLUGINS`` plugin is malformed
             or cannot be imported, or two plugins registered the same
-            runtime/protocol/environment/policy name.
+            runtime/protocol/environment/policy name or protocol path
+            (``strict=False``: listed in :attr:`Plugins.clashes` instead).
     """
     plugins = Plugins()
     plugins.load_entry_points(disabled_names() if disabled is None else disabled)
     for name, plugin in [*env_plugins(), *extra]:
         plugins.register(plugin, name)
-    plugins.build_registries()
+    plugins.build_registries(strict=strict)
     return plugins

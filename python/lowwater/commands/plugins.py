@@ -40,12 +40,13 @@ def runtime_options(plugins: Any) -> dict[str, list[dict[str, Any]] | None]:
 def run(args: argparse.Namespace) -> int:
     from lowwater.plugins import disabled_names, load
 
-    plugins = load()
+    plugins = load(strict=False)  # list every clash instead of stopping at the first
     data = {
         "plugins": [
             {"name": i.name, "dist": i.dist, "version": i.version, "hooks": list(i.hooks)} for i in plugins.infos
         ],
         "failed": [{"name": f.name, "dist": f.dist, "reason": f.reason} for f in plugins.failures],
+        "clashes": list(plugins.clashes),
         "disabled": sorted(disabled_names()),
         "runtimes": sorted(plugins.runtimes),
         "protocols": sorted(plugins.protocols),
@@ -55,9 +56,11 @@ def run(args: argparse.Namespace) -> int:
         "shard_transports": sorted(plugins.shard_transports),
         "runtime_options": runtime_options(plugins),
     }
+    # Non-zero with clashes: every eval would fail on them (a CI check can run this).
+    status = 1 if plugins.clashes else 0
     if args.json:
         print(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
-        return 0
+        return status
     from rich.console import Console
     from rich.table import Table
 
@@ -83,4 +86,6 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[red]failed[/red] {f['name']} ({f['dist'] or 'no distribution'}): {f['reason']}")
     if data["disabled"]:
         console.print(f"disabled: {', '.join(data['disabled'])}")
-    return 0
+    for clash in data["clashes"]:
+        console.print(f"[red]clash[/red] {clash}: every run refuses to start until one plugin is disabled")
+    return status

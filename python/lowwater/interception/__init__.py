@@ -2,6 +2,8 @@
 
 * :class:`InterceptionServer` — the server (``url = await nursery.start(server.run)``),
   ``register``/``unregister`` per rollout, ``stats``.
+* :mod:`.hooks` — interceptor hooks' types: :class:`Reject` (refuse a
+  call), :class:`InterceptedCall`, :class:`InterceptedResponse`.
 * :mod:`.protocols` — the wire protocols (``openai.chat``, ``openai.responses``,
   ``anthropic.messages``) and the :class:`Protocol` base for plugins.
 * :mod:`.slots` — per-rollout slots (base URL, secret, waiting handlers).
@@ -16,6 +18,7 @@
 See ``docs/interception.md``.
 """
 
+from lowwater.interception.hooks import InterceptedCall, InterceptedResponse, Reject
 from lowwater.interception.protocols import (
     AnthropicMessages,
     Completion,
@@ -32,10 +35,13 @@ from lowwater.interception.slots import Slot
 __all__ = [
     "AnthropicMessages",
     "Completion",
+    "InterceptedCall",
+    "InterceptedResponse",
     "InterceptionServer",
     "OpenAIChat",
     "OpenAIResponses",
     "Protocol",
+    "Reject",
     "Request",
     "Slot",
     "StreamAccumulator",

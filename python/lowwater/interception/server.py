@@ -22,7 +22,9 @@ field), 401 (missing or unknown secret), 404/405 (no such route or method),
 410 (the rollout was closed), 413 (body over ``max_body_bytes``), 503 (the
 intercept table is full), the upstream's own 4xx (429 with its
 ``retry-after``), 502 (upstream unreachable, 5xx after retries, or a
-malformed answer) and 504 (upstream timeout).  None is a 500.
+malformed answer) and 504 (upstream timeout).  None is a 500, except a
+call an interceptor plugin failed on (:mod:`lowwater.interception.hooks`);
+an interceptor's :class:`~lowwater.interception.hooks.Reject` gives its own status.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from lowwater.http import (
     start_response,
 )
 from lowwater.http.routes import normalise
+from lowwater.interception.hooks import InterceptedCall, InterceptedResponse, Interceptors
 from lowwater.interception.protocols import Completion, Protocol, builtin_protocols
 from lowwater.interception.sampling import apply as apply_sampling
 from lowwater.interception.slots import Slot, SlotRegistry, new_secret
@@ -146,6 +149,9 @@ class InterceptionServer:
         #: Sampling arguments added to every forwarded call; the agent's own keys win
         #: (:mod:`lowwater.interception.sampling`).
         self.sampling: dict[str, Any] = {}
+        #: ``None``, or the plugins' interceptor hooks
+        #: (:meth:`lowwater.plugins.Plugins.interceptors`), awaited on every call.
+        self.interceptors: Interceptors | None = None
         self.routes: dict[str, Protocol] = {}
         self._router = Router(error_body=self._error_body)
         self._router.add("GET", "/v1/models", self._models)
@@ -296,7 +302,10 @@ class InterceptionServer:
         # Authenticate before reading the body: a stranger's 60 MiB is refused unread.
         slot = self._authenticate(scope)
         body = await read_body(scope, receive, self.max_body_bytes)
-        call = self._parse(scope, protocol, slot, body)
+        if self.interceptors is None:  # checked once per call: no plugin, no hook path
+            call = self._parse(scope, protocol, slot, body)
+        else:
+            call = await self._intercept(scope, protocol, slot, body, self.interceptors)
         self._insert(call, body)
         del body  # the table holds the agent's bytes from here on
         try:
@@ -323,7 +332,26 @@ class InterceptionServer:
         A body nesting deeper than :data:`~lowwater.http.MAX_JSON_DEPTH` is
         refused here: its turn could not be written out later.
         """
+        return self._build(scope, protocol, slot, parse_json(body, max_depth=MAX_JSON_DEPTH))
+
+    async def _intercept(
+        self, scope: Scope, protocol: Protocol, slot: Slot, body: bytes | bytearray, interceptors: Interceptors
+    ) -> _Call:
+        """:meth:`_parse` with the ``intercept_request`` hooks run on the parsed
+        body first: the body they leave is validated, forwarded and recorded
+        (the turn shows what was sent upstream, not what the agent wrote)."""
         payload = parse_json(body, max_depth=MAX_JSON_DEPTH)
+        if not isinstance(payload, dict):
+            return self._build(scope, protocol, slot, payload)  # the protocol's 400 names it
+        intercepted = InterceptedCall(slot.rollout_id, protocol.name, payload)
+        await interceptors.request(intercepted)
+        call = self._build(scope, protocol, slot, intercepted.body, changed=True)
+        call.intercepted = intercepted
+        return call
+
+    def _build(self, scope: Scope, protocol: Protocol, slot: Slot, payload: Any, *, changed: bool = False) -> _Call:
+        """The call for a parsed body; ``changed``: forward ``payload`` even
+        when the protocol keeps the agent's bytes (an interceptor changed it)."""
         request = protocol.parse(payload)
         rewritten = (
             protocol.upstream_body(payload, model=slot.upstream.model, logprobs=self.request_logprobs)
@@ -332,6 +360,8 @@ class InterceptionServer:
         )
         if self.sampling and isinstance(payload, dict):
             rewritten = apply_sampling(protocol.name, rewritten or payload, self.sampling) or rewritten
+        if changed and rewritten is None:
+            rewritten = payload
         try:
             forward = orjson.dumps(rewritten) if rewritten is not None else None
         except orjson.JSONEncodeError as exc:  # a protocol plugin's rewrite, past what was checked
@@ -482,6 +512,8 @@ class InterceptionServer:
             self._record(call, None, f"upstream answer malformed: {type(exc).__name__}: {exc}")
             raise HTTPError(502, "the upstream's answer is not a valid response object") from None
         self._record(call, done, done.error)
+        if call.intercepted is not None and self.interceptors is not None:
+            await self.interceptors.response(call.intercepted, InterceptedResponse.of(done))
         # Finished as the last bytes are handed over: hypercorn reports a
         # disconnect as soon as a response ends, which is not a client leaving.
         call.started = call.finished = True
@@ -541,6 +573,8 @@ class InterceptionServer:
             # Not an empty success: the SDK raises on the error event, and a
             # raw client sees the chunked body end without its terminator.
             return await _break_stream(send, protocol, error)
+        if call.intercepted is not None and self.interceptors is not None and done is not None:
+            await self.interceptors.response(call.intercepted, InterceptedResponse.of(done))
         call.finished = True
         self._delivered(call)
         await send({"type": "http.response.body", "body": b"".join(held), "more_body": False})
@@ -587,6 +621,7 @@ class _Call:
         "disconnected",
         "recorded",
         "error",
+        "intercepted",
     )
 
     def __init__(
@@ -618,6 +653,7 @@ class _Call:
         self.disconnected = False
         self.recorded = False
         self.error: str | None = None
+        self.intercepted: InterceptedCall | None = None
 
 
 def _shielded(send: Send) -> Send:

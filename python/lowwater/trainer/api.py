@@ -226,6 +226,7 @@ class Lowwater:
                 server = InterceptionServer(
                     client, protocols=list(plugins.protocols.values()) or None, request_logprobs=config.request_logprobs
                 )
+                server.interceptors = plugins.interceptors()
                 async with (
                     trio.open_nursery() as nursery,
                     AgentClient(

@@ -1,0 +1,135 @@
+"""Interceptor hooks: intercept_request changes what goes upstream and what the
+turn records, Reject refuses with the protocol's error body, hooks run in
+registration order one at a time, intercept_response sees the answer read-only,
+and a server without interceptors never enters the path."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+import trio
+import trio.lowlevel
+
+from lowwater.hookspecs import hookimpl
+from lowwater.interception import Reject
+from lowwater.plugins import Plugins, load
+
+from ._harness import KINDS, body, read_sse, run
+
+
+class Redact:
+    @hookimpl
+    async def intercept_request(self, call):
+        call.state["order"] = ["redact"]
+        # chat and anthropic: "messages"; responses: "input" (a list of messages here).
+        for message in call.body.get("messages") or call.body.get("input") or []:
+            if isinstance(message.get("content"), str):
+                message["content"] = message["content"].replace("secret-42", "<redacted>")
+
+
+class Refuse:
+    @hookimpl
+    async def intercept_request(self, call):
+        call.state["order"].append("refuse")
+        await trio.lowlevel.checkpoint()  # the next hook still waits for this one
+        if "forbidden" in orjson.dumps(call.body).decode():
+            raise Reject(403, "this agent may not ask that")
+
+
+class Meter:
+    def __init__(self):
+        self.seen = []
+
+    @hookimpl
+    async def intercept_response(self, call, response):
+        self.seen.append((call.rollout_id, call.protocol, call.state["order"], response))
+
+
+def _interceptors(*plugins):
+    return load(disabled=_all_entry_points(), extra=[(f"p{i}", p) for i, p in enumerate(plugins)]).interceptors()
+
+
+def _all_entry_points():
+    import importlib.metadata
+
+    return {ep.name for ep in importlib.metadata.entry_points(group="lowwater")}
+
+
+def test_none_when_no_plugin_implements_them():
+    assert load(disabled=_all_entry_points()).interceptors() is None
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_redact_forwards_and_records_the_changed_body(kind, stream):
+    meter = Meter()
+
+    async def fn(h):
+        h.server.interceptors = _interceptors(Redact(), Refuse(), meter)
+        slot, trajectory = h.open("r1")
+        r = await h.call(slot, kind, body(kind, "my key is secret-42", stream=stream))
+        assert r.status_code == 200
+        if stream:
+            await read_sse(r)
+        _path, _headers, sent = h.upstream.received[-1]
+        sent = orjson.dumps(sent)
+        assert b"secret-42" not in sent and b"<redacted>" in sent
+        (turn,) = trajectory.turns
+        assert "secret-42" not in orjson.dumps(turn.request_delta).decode()
+        await h.assert_clean()
+        ((rollout_id, protocol, order, response),) = meter.seen
+        assert rollout_id == "r1" and protocol == turn.protocol and order == ["redact", "refuse"]
+        assert response.usage is not None and response.completion == turn.completion
+        with pytest.raises(TypeError):
+            response.usage["input_tokens"] = 0  # read-only
+
+    run(fn)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reject_answers_with_the_protocols_error_body(kind):
+    async def fn(h):
+        h.server.interceptors = _interceptors(Redact(), Refuse())
+        slot, trajectory = h.open("r1")
+        sent_before = len(h.upstream.received)
+        r = await h.call(slot, kind, body(kind, "something forbidden"))
+        assert r.status_code == 403
+        error = r.json()
+        if kind == "messages":
+            assert error["type"] == "error" and error["error"]["message"] == "this agent may not ask that"
+        else:
+            assert error["error"]["message"] == "this agent may not ask that"
+        assert len(h.upstream.received) == sent_before  # nothing went upstream
+        assert trajectory.turns == []
+        await h.assert_clean()
+
+    run(fn)
+
+
+def test_a_failing_interceptor_fails_closed_naming_the_plugin():
+    class Broken:
+        @hookimpl
+        async def intercept_request(self, call):
+            raise RuntimeError("boom")
+
+    async def fn(h):
+        h.server.interceptors = _interceptors(Broken())
+        slot, _ = h.open("r1")
+        r = await h.call(slot, "chat", body("chat", "hello"))
+        assert r.status_code == 500 and "interceptor 'p0' failed: RuntimeError: boom" in r.text
+        await h.assert_clean()
+
+    run(fn)
+
+
+def test_ordered_hooks_are_not_fired_as_lifecycle_hooks():
+    from lowwater.plugins import PluginError
+
+    plugins = Plugins()
+    with pytest.raises(PluginError, match="not a lifecycle hook"):
+        trio.run(lambda: plugins.fire_hooks("intercept_request", call=None))
+
+
+def test_reject_status_is_checked():
+    with pytest.raises(ValueError):
+        Reject(200, "ok")
