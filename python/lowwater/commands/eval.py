@@ -131,6 +131,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--address", help="the cluster the backend joins (ray: auto or HOST:PORT)")
     p.add_argument(
+        "--bind",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="where the model server this run starts binds (default 127.0.0.1); beyond loopback needs "
+        "LOWWATER_ADMIN_KEY (a remote --backend needs a reachable model server)",
+    )
+    p.add_argument("--advertise", metavar="HOST", help="host in the model server's URL (default: from --bind)")
+    p.add_argument(
         "--max-tasks-per-worker",
         type=int,
         default=500,
@@ -248,6 +256,8 @@ def build_config(args: argparse.Namespace) -> Any:
             workers=args.workers,
             backend=args.backend,
             address=args.address,
+            bind=args.bind,
+            advertise=args.advertise,
             max_tasks_per_worker=args.max_tasks_per_worker,
             max_rss_mb=args.max_rss_mb,
             high_water_mb=args.high_water_mb,

@@ -23,7 +23,17 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         description="Serve a deterministic model at /v1/chat/completions, /v1/responses, /v1/messages "
         "and /v1/models, streamed and not.",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1); beyond loopback needs LOWWATER_ADMIN_KEY, which every request "
+        "must then carry",
+    )
+    p.add_argument(
+        "--advertise",
+        metavar="HOST",
+        help="host in the printed URL (default: --host, or this host's address for 0.0.0.0)",
+    )
     p.add_argument("--port", type=int, default=0, help="port to bind (default 0: the OS chooses)")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument(
@@ -81,13 +91,29 @@ def build_model(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    import functools
+    import os
+    import socket
+
     import trio
 
     from lowwater.cli import UsageError
     from lowwater.commands.signals import until_signal
+    from lowwater.http.exposure import ADMIN_KEY_ENV, ExposureError, check_bind, is_loopback
     from lowwater.serve_model import serve_model
 
     model = build_model(args)
+    # Beyond loopback the admin key is required, and then checked on every
+    # request; an address that cannot even be resolved is reported as such first.
+    admin_key = None if is_loopback(args.host) else os.environ.get(ADMIN_KEY_ENV) or None
+    try:
+        socket.getaddrinfo(args.host, args.port)
+    except OSError as err:
+        raise UsageError(f"cannot bind {args.host}:{args.port}: {err.strerror or err}") from None
+    try:
+        check_bind("serve-model", args.host, admin_key)
+    except ExposureError as exc:
+        raise UsageError(str(exc)) from None
     if args.scripted:
         what = "scripted model (arithmetic problems; filler otherwise)"
     else:
@@ -98,13 +124,19 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         nonlocal bound
         async with trio.open_nursery() as nursery:
-            url = await nursery.start(serve_model, model, args.host, args.port)
+            url = await nursery.start(
+                functools.partial(
+                    serve_model, model, args.host, args.port, advertise=args.advertise, admin_key=admin_key
+                )
+            )
             bound = True
             print(url, flush=True)
+            guard = f"  bound to {args.host}, beyond loopback: every request needs the admin key\n" if admin_key else ""
             # The line to paste: the base URL with its /v1 and the served
             # model's name (a URL pasted without /v1 got a 404 on every call).
             print(
                 f"lowwater serve-model: {what}; Ctrl-C to stop\n"
+                f"{guard}"
                 f"  base URL: {url}/v1\n"
                 f"  use it:   lowwater eval --model {model.name} --model-url {url}/v1",
                 file=sys.stderr,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import logging
+import os
 import time
 import uuid
 from collections import Counter
@@ -103,6 +104,11 @@ class EvalConfig:
             plugin's (``"ray"``: ``workers`` per node).
         address: the cluster the backend joins (``--address``; ``ray``:
             ``auto`` or ``HOST:PORT``).
+        bind, advertise: where the model server this run starts (scripted,
+            replay) binds and the host its URL names (``--bind``,
+            ``--advertise``); beyond loopback it needs ``LOWWATER_ADMIN_KEY``,
+            which the workers then send.  A remote backend (``ray``) refuses
+            a model server its workers cannot reach.
         pass_env: host variables passed to agent programs and scripts beyond
             the runtime's allow-list (``--pass-env``).
         samples: write every rollout's transcript to :attr:`samples_path`
@@ -140,6 +146,8 @@ class EvalConfig:
     workers: int = attrs.field(default=0, validator=v.at_least(0))
     backend: str = attrs.field(default="local")
     address: str | None = None
+    bind: str = "127.0.0.1"
+    advertise: str | None = None
     max_tasks_per_worker: int | None = attrs.field(
         default=500, validator=v.optional(v.at_least(1, "max-tasks-per-worker"))
     )
@@ -445,8 +453,7 @@ async def run_eval(
     plugins = plugins or plugins_mod.load()
     factory = plugins.environment(config.env)
     check_options(config.env, factory, config.env_options)
-    if config.workers:
-        plugins.backend(config.backend)  # an unknown --backend fails before anything starts
+    config = _reachable(config, plugins)  # an unknown --backend or an unreachable model fails before anything starts
     env: Environment = factory(config.env_options)
     run_id = uuid.uuid4().hex[:12]
     try:
@@ -487,7 +494,7 @@ async def run_eval(
         feed.check_ids()
         planned = feed.planned_tasks()
         totals.planned = None if planned is None else planned * config.group_size
-        async with model_server(config.model) as upstream_url:
+        async with model_server(config.model, host=config.bind, advertise=config.advertise) as upstream_url:
             if config.workers:
                 pool_report = await _run_pooled(
                     config,
@@ -589,6 +596,30 @@ async def _run_here(
             await plugins.fire("shutdown")
             ticker.cancel_scope.cancel()
         return {**engine.stats(), "intercepts": len(server.table)}
+
+
+def _reachable(config: EvalConfig, plugins: plugins_mod.Plugins) -> EvalConfig:
+    """``config`` ready for servers and workers beyond this machine: a model
+    server bound beyond loopback needs the admin key (which the workers then
+    send as the model's API key), and a remote backend's workers must be able
+    to reach the model.
+
+    Raises:
+        lowwater.plugins.UnknownName: unknown backend.
+        lowwater.http.exposure.ExposureError: no admin key for a bind beyond
+            loopback, or a remote backend with a loopback-only model server.
+    """
+    from lowwater.http.exposure import ADMIN_KEY_ENV, check_bind, is_loopback, require_reachable
+
+    local_model = config.model.kind in ("scripted", "replay")
+    if local_model and not is_loopback(config.bind):
+        key = os.environ.get(ADMIN_KEY_ENV) or None
+        check_bind("the model server (serve-model)", config.bind, key)
+        config = attrs.evolve(config, model=attrs.evolve(config.model, api_key=key))
+    if config.workers and getattr(plugins.backend(config.backend), "remote", False):
+        where = config.bind if local_model else (config.model.url or "")
+        require_reachable("the model server", where, config.backend)
+    return config
 
 
 async def _run_pooled(

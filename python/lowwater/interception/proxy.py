@@ -67,6 +67,7 @@ of the process (docs/design.md#incidents).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import resource
@@ -171,7 +172,10 @@ async def serve_proxy(config: ProxyConfig, *, task_status: trio.TaskStatus[str] 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(admin.trim_loop)
                 await nursery.start(admin.cleanup_loop)
-                url = await nursery.start(server.run, config.host, config.port)
+                # The CLI already refused a host beyond loopback without the key; run() checks again.
+                url = await nursery.start(
+                    functools.partial(server.run, config.host, config.port, admin_key=config.admin_key)
+                )
                 if generated:
                     assert admin_key is not None
                     key_file = admin_key_file(config, url)

@@ -175,21 +175,39 @@ class InterceptionServer:
     # -- lifecycle ---------------------------------------------------------------
 
     async def run(
-        self, host: str = "127.0.0.1", port: int = 0, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        advertise: str | None = None,
+        admin_key: str | None = None,
+        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve until cancelled; ``task_status.started`` gets ``"http://HOST:PORT"``.
 
         Port 0 lets the OS choose.  Cancelling the enclosing scope stops the
         server and every handler (each discards its intercept on the way out).
+        ``HOST`` (and every slot's ``base_url``) uses ``advertise`` when given
+        (for a ``0.0.0.0`` bind: this host's primary address), so agents on
+        other hosts can dial it.  Binding beyond loopback needs ``admin_key``
+        (the caller's proof that it meant to expose the server; every call
+        still needs its rollout's secret) and is logged.
 
         Raises:
+            lowwater.http.exposure.ExposureError: ``host`` is beyond loopback
+                and no ``admin_key`` was given.
             OSError: the address cannot be bound.
         """
+        from lowwater.http.exposure import advertised_host, check_bind, is_loopback, join
+
+        check_bind("the interception server", host, admin_key)
         async with trio.open_nursery() as nursery:
             self._watchers = nursery
             address = await nursery.start(
                 functools.partial(serve, self, host, port, keep_alive_s=KEEP_ALIVE_S, backlog=BACKLOG)
             )
+            if advertise or not is_loopback(host):
+                address = join(advertised_host(host, advertise), int(address.rpartition(":")[2]))
             self.url = f"http://{address}"
             nursery.start_soon(self._prune_upstreams)
             task_status.started(self.url)

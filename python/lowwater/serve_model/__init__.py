@@ -22,6 +22,7 @@ from __future__ import annotations
 import trio
 
 from lowwater.http import serve
+from lowwater.http.exposure import advertised_host, check_bind, is_loopback, join
 from lowwater.serve_model.app import Model, build_app
 from lowwater.serve_model.replay import ModelError, ReplayDataError, ReplayModel, Reply, ToolCall, UnknownQuestion
 from lowwater.serve_model.scripted import ScriptedModel
@@ -45,21 +46,31 @@ async def serve_model(
     host: str = "127.0.0.1",
     port: int = 0,
     *,
+    advertise: str | None = None,
+    admin_key: str | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``model`` until cancelled; ``task_status.started`` gets ``"http://HOST:PORT"``.
 
-    Port 0 lets the OS choose.
+    Port 0 lets the OS choose.  ``HOST`` is ``advertise`` when given (the
+    address others dial; for a ``0.0.0.0`` bind, this host's primary
+    address).  Beyond loopback an ``admin_key`` is required, and every
+    request must then carry it.
 
     Raises:
+        lowwater.http.exposure.ExposureError: ``host`` is beyond loopback
+            and no ``admin_key`` was given.
         OSError: the address cannot be bound or resolved (the bare error,
             not Trio's nested exception groups around it).
     """
+    check_bind("serve-model", host, admin_key)
     started = False
     try:
         async with trio.open_nursery() as nursery:
-            address = await nursery.start(serve, build_app(model), host, port)
+            address = await nursery.start(serve, build_app(model, admin_key=admin_key), host, port)
             started = True
+            if advertise or not is_loopback(host):
+                address = join(advertised_host(host, advertise), int(address.rpartition(":")[2]))
             task_status.started(f"http://{address}")
     except BaseExceptionGroup as group:
         error = None if started else _sole_leaf(group)

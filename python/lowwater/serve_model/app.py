@@ -56,6 +56,7 @@ from lowwater.http import (
     Send,
     parse_json,
     read_body,
+    require_key,
     send_json,
     start_response,
 )
@@ -759,11 +760,13 @@ async def stream_events(receive: Receive, send: Send, events: Iterator[bytes]) -
         nursery.cancel_scope.cancel()
 
 
-def build_app(model: Model, *, max_body_bytes: int = MAX_BODY_BYTES) -> App:
+def build_app(model: Model, *, max_body_bytes: int = MAX_BODY_BYTES, admin_key: str | None = None) -> App:
     """The ASGI app serving ``model`` (see the module docstring for routes and formats).
 
     ``max_body_bytes`` bounds a request body (413 past it).  The payload
     string, if any, is built once here and shared by every response.
+    ``admin_key``: every request must carry it (``Authorization: Bearer`` or
+    ``x-api-key``; 401 otherwise), as a server bound beyond loopback must.
     """
     payload = payload_text(model.payload_bytes)
     numbers = itertools.count(1)
@@ -806,8 +809,15 @@ def build_app(model: Model, *, max_body_bytes: int = MAX_BODY_BYTES) -> App:
         protocol = PROTOCOLS.get(normalise(scope["path"]))
         return error_body(protocol[0] if protocol else "openai", err.status, err.reason)
 
+    def keyed(handler: App) -> App:
+        async def checked(scope: Scope, receive: Receive, send: Send) -> None:
+            require_key(scope, admin_key)
+            await handler(scope, receive, send)
+
+        return checked
+
     router = Router(error_body=error)
-    router.add("GET", "/v1/models", models)
+    router.add("GET", "/v1/models", keyed(models))
     for path in PROTOCOLS:
-        router.add("POST", path, generate)
+        router.add("POST", path, keyed(generate))
     return router

@@ -83,9 +83,13 @@ def parse_model(model: str, model_url: str | None = None, api_key_env: str | Non
     raise UpstreamError(f"--model {model!r}: use scripted, replay:PATH#COLUMN, or NAME with --model-url URL")
 
 
-def serve_model_argv(spec: ModelSpec, *, latency_ms: float = 0.0) -> list[str]:
-    """The command that serves ``spec`` locally on an OS-chosen port."""
-    argv = [sys.executable, "-m", "lowwater", "serve-model", "--host", "127.0.0.1", "--port", "0"]
+def serve_model_argv(
+    spec: ModelSpec, *, latency_ms: float = 0.0, host: str = "127.0.0.1", advertise: str | None = None
+) -> list[str]:
+    """The command that serves ``spec`` on ``host`` (loopback by default) on an OS-chosen port."""
+    argv = [sys.executable, "-m", "lowwater", "serve-model", "--host", host, "--port", "0"]
+    if advertise:
+        argv += ["--advertise", advertise]
     if spec.kind == "scripted":
         argv += ["--scripted"]
     else:
@@ -96,11 +100,16 @@ def serve_model_argv(spec: ModelSpec, *, latency_ms: float = 0.0) -> list[str]:
 
 
 @asynccontextmanager
-async def model_server(spec: ModelSpec, *, start_timeout_s: float = 60.0) -> AsyncIterator[str]:
+async def model_server(
+    spec: ModelSpec, *, start_timeout_s: float = 60.0, host: str = "127.0.0.1", advertise: str | None = None
+) -> AsyncIterator[str]:
     """Yield the base URL (ending in ``/v1``) of the model ``spec`` names.
 
     For ``scripted`` and ``replay`` a ``serve-model`` child process runs
-    for the duration of the block and is terminated (then killed) after it.
+    for the duration of the block and is terminated (then killed) after it,
+    bound to ``host`` and advertising ``advertise`` (beyond loopback it
+    needs ``LOWWATER_ADMIN_KEY`` in the environment, and ``spec.api_key``
+    must be that key for calls to get through).
     For ``url`` the server is probed once with ``GET /models``.
 
     Raises:
@@ -117,7 +126,7 @@ async def model_server(spec: ModelSpec, *, start_timeout_s: float = 60.0) -> Asy
     # block the server mid-run; the file gives the reason if it fails.
     with tempfile.TemporaryFile() as errfile:
         process = await trio.lowlevel.open_process(
-            serve_model_argv(spec),
+            serve_model_argv(spec, host=host, advertise=advertise),
             stdout=subprocess.PIPE,
             stderr=errfile,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
