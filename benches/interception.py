@@ -21,9 +21,15 @@ client; it sends non-streamed chat completions.
   response and to the last, failures, and the proxy's current RSS
   (baseline, with every call open, after closing every rollout), giving
   RSS per open rollout.
+* **Interceptor hooks** (``--phases interceptor``): the same sequential
+  calls through two proxies, one plain and one with a trivial
+  ``intercept_request`` and ``intercept_response`` installed, alternating
+  call by call; p50/p99 of each and the difference (the hooks' cost; the
+  plain proxy is the "no interceptor" side, where the path is skipped).
 
 Usage: ``python benches/interception.py [--quick] [--latency-calls 2000]
-[--concurrency 256] [--calls-per-worker 20] [--rounds 2] [--rollouts 16384]``.
+[--concurrency 256] [--calls-per-worker 20] [--rounds 2] [--rollouts 16384]
+[--phases latency,throughput,hold,interceptor]``.
 The last stdout line is the JSON object benches/README.md#output describes.
 """
 
@@ -49,6 +55,29 @@ from _common import MIB, emit, progress, rss_bytes, target
 ADMIN_KEY = "bench-admin"
 # The proxy's entry point (a variable so a diagnostic driver can wrap it).
 PROXY_MAIN = "import sys; from lowwater import cli; sys.exit(cli.main(sys.argv[1:]))"
+# The proxy with a trivial interceptor on each hook (lowwater proxy loads no
+# plugins, so the child installs them on every server it builds).
+HOOKED_PROXY_MAIN = """
+import sys
+from lowwater import cli
+from lowwater.interception import server as s
+from lowwater.interception.hooks import Interceptors
+
+async def on_request(call):
+    pass
+
+async def on_response(call, response):
+    pass
+
+_init = s.InterceptionServer.__init__
+
+def _hooked(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    self.interceptors = Interceptors([("bench", on_request, ("call",))], [("bench", on_response, ("call", "response"))])
+
+s.InterceptionServer.__init__ = _hooked
+sys.exit(cli.main(sys.argv[1:]))
+"""
 REQUEST = orjson.dumps(
     {
         "model": "bench",
@@ -227,6 +256,22 @@ async def latency_round(direct: Target, through: Target, rollout: dict, calls: i
                 out[side].append((time.perf_counter() - t0) * 1000)
             assert status == 200, status
     for conn, _, _ in sides.values():
+        await conn.aclose()
+    return out
+
+
+async def pair_round(sides: dict[str, tuple[Target, dict]], calls: int) -> dict[str, list[float]]:
+    """Like :func:`latency_round` for two proxies, each with its own rollout."""
+    conns = {k: (Conn(t.host, t.port), t.path, auth(r)) for k, (t, r) in sides.items()}
+    out: dict[str, list[float]] = {k: [] for k in sides}
+    for i in range(calls + 5):
+        for side, (conn, path, headers) in conns.items():
+            t0 = time.perf_counter()
+            status, _ = await conn.request("POST", path, REQUEST, headers)
+            if i >= 5:
+                out[side].append((time.perf_counter() - t0) * 1000)
+            assert status == 200, status
+    for conn, _, _ in conns.values():
         await conn.aclose()
     return out
 
@@ -421,7 +466,9 @@ def start(argv: list[str], *, url_on: str, env: dict | None = None) -> tuple[sub
     return proc, words[0].rstrip(";")
 
 
-def start_proxy(upstream: str, out_dir: str, pythonmalloc: str | None = None) -> tuple[subprocess.Popen, str]:
+def start_proxy(
+    upstream: str, out_dir: str, pythonmalloc: str | None = None, main: str = PROXY_MAIN
+) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "LOWWATER_ADMIN_KEY": ADMIN_KEY}
     if pythonmalloc:
         env["PYTHONMALLOC"] = pythonmalloc
@@ -429,7 +476,7 @@ def start_proxy(upstream: str, out_dir: str, pythonmalloc: str | None = None) ->
         [
             sys.executable,
             "-c",
-            PROXY_MAIN,
+            main,
             "proxy",
             "--upstream",
             upstream,
@@ -469,7 +516,7 @@ def main() -> None:
     p.add_argument(
         "--phases",
         default="latency,throughput,hold",
-        help="comma-separated subset of latency, throughput, hold (default all)",
+        help="comma-separated subset of latency, throughput, hold, interceptor (default: the first three)",
     )
     p.add_argument("--_gate-child", dest="gate_child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -486,6 +533,11 @@ def main() -> None:
     proxy, proxy_url = start_proxy(model_url + "/v1", out_dir, a.pythonmalloc)
     gate, gate_url = start([sys.executable, __file__, "--_gate-child"], url_on="stdout")
     gated, gated_url = start_proxy(gate_url + "/v1", out_dir, a.pythonmalloc)
+    hooked, hooked_url = (
+        start_proxy(model_url + "/v1", out_dir, a.pythonmalloc, HOOKED_PROXY_MAIN)
+        if "interceptor" in phases
+        else (None, "")
+    )
     results: dict = {}
     try:
 
@@ -497,6 +549,34 @@ def main() -> None:
             if "hold" in phases:
                 progress(f"hold-open: {a.rollouts} rollouts, one call each, held at a gated upstream")
                 results.update(await hold_open(gated_url, gate_url, gated.pid, a.rollouts))
+            if "interceptor" in phases:
+                await interceptor_phase()
+
+        async def interceptor_phase() -> None:
+            (plain,) = await open_rollouts(proxy_url, 1)
+            (hooked_one,) = await open_rollouts(hooked_url, 1)
+            sides = {
+                "plain": (Target(proxy_url, "/v1/chat/completions"), plain),
+                "hooked": (Target(hooked_url, "/v1/chat/completions"), hooked_one),
+            }
+            progress(
+                f"interceptor: {a.rounds} x {a.latency_calls // a.rounds} calls each way, no hook vs trivial hooks"
+            )
+            lat: dict[str, list[float]] = {"plain": [], "hooked": []}
+            for _ in range(a.rounds):
+                for side, times in (await pair_round(sides, a.latency_calls // a.rounds)).items():
+                    lat[side] += times
+            await close_rollouts(proxy_url, [plain])
+            await close_rollouts(hooked_url, [hooked_one])
+            q = {k: statistics.quantiles(v, n=100) for k, v in lat.items()}
+            results.update(
+                {
+                    "no_interceptor_p50_ms": q["plain"][49],
+                    "trivial_interceptor_p50_ms": q["hooked"][49],
+                    "interceptor_added_p50_ms": q["hooked"][49] - q["plain"][49],
+                    "interceptor_added_p99_ms": q["hooked"][98] - q["plain"][98],
+                }
+            )
 
         async def latency_phase() -> None:
             direct = Target(model_url, "/v1/chat/completions")
@@ -549,8 +629,9 @@ def main() -> None:
 
         trio.run(run)
     finally:
-        for proc in (gated, gate, proxy, model):
-            stop(proc)
+        for proc in (hooked, gated, gate, proxy, model):
+            if proc is not None:
+                stop(proc)
     params = {
         "quick": a.quick,
         "latency_calls": a.latency_calls,
