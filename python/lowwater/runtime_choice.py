@@ -98,7 +98,10 @@ def choose_runtime(
         for key in merged:
             if key in declared:
                 continue
-            close = difflib.get_close_matches(key, list(declared), n=1)
+            # A prefix counts too: difflib misses "cpu" for "cpu_seconds".
+            close = difflib.get_close_matches(key, list(declared), n=1) or sorted(
+                d for d in declared if d.startswith(key)
+            )
             hint = f"; did you mean {close[0]!r}?" if close else ""
             known = ", ".join(sorted(declared)) or "none"
             raise ValueError(
