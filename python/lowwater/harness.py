@@ -114,7 +114,8 @@ def function_tool(fn: Callable[..., Any]) -> dict[str, Any]:
     for name, param in inspect.signature(fn).parameters.items():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise TypeError(f"tool {fn.__name__!r}: *args/**kwargs have no JSON schema")
-        kind = _JSON_TYPES.get(typing.get_origin(hints.get(name)) or hints.get(name))
+        hint: Any = hints.get(name)
+        kind = _JSON_TYPES.get(typing.get_origin(hint) or hint)
         properties[name] = {"type": kind} if kind else {}
         if param.default is param.empty:
             required.append(name)

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from lowwater.plugins import disabled_names, load
 
     plugins = load(strict=False)  # list every clash instead of stopping at the first
-    data = {
+    data: dict[str, Any] = {
         "plugins": [
             {"name": i.name, "dist": i.dist, "version": i.version, "hooks": list(i.hooks)} for i in plugins.infos
         ],
