@@ -8,7 +8,7 @@ both say ``concurrency must be >= 1, not 0``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 Validator = Callable[[Any, Any, Any], None]
@@ -37,6 +37,11 @@ def positive(label: str | None = None, unit: str = "") -> Validator:
             raise ValueError(f"{_label(attribute, label)} must be > 0{suffix}, not {value!r}")
 
     return check
+
+
+def str_tuple(value: Iterable[str]) -> tuple[str, ...]:
+    """Converter: any iterable of strings to a tuple (typed, unlike ``converter=tuple``)."""
+    return tuple(value)
 
 
 def optional(validator: Validator) -> Validator:

@@ -28,7 +28,7 @@ MIB = 1 << 20
 
 def rss_bytes() -> int:
     """Current resident set size of this process in bytes (not a peak counter)."""
-    return psutil.Process().memory_info().rss
+    return int(psutil.Process().memory_info().rss)
 
 
 @functools.cache

@@ -29,6 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -92,7 +93,7 @@ def classify(exc: BaseException) -> RolloutError:
     try:
         from lowwater.runtime import base as runtime_base  # lazy: keeps import light
     except ImportError:  # the runtime plugin's package is absent
-        runtime_base = None
+        runtime_base = None  # type: ignore[assignment]  # a module or nothing; checked below
 
     if isinstance(exc, RolloutFailed):
         return RolloutError(exc.error_class, exc.message)
@@ -189,7 +190,9 @@ class Rollout:
     turn_count: int = 0
     slot: Slot | None = attrs.field(default=None, repr=False)
     context: HarnessContext | None = attrs.field(default=None, repr=False)
-    _runtime_getter: Any = attrs.field(default=None, repr=False, alias="runtime_getter")
+    _runtime_getter: Callable[[], Awaitable[Runtime]] | None = attrs.field(
+        default=None, repr=False, alias="runtime_getter"
+    )
 
     async def runtime(self) -> Runtime:
         """The rollout's runtime (taken on first use, released at close);
@@ -549,11 +552,12 @@ class Engine:
         rollout.metrics = dict(score.metrics)
 
     async def _runtime_for(self, rollout: Rollout) -> Runtime:
-        runtime = self.runtimes.get(rollout.rollout_id)
-        if runtime is not None:
-            return runtime
+        held = self.runtimes.get(rollout.rollout_id)
+        if held is not None:
+            return held
         if self.runtime_config is None:
             raise RolloutFailed("infra", "this engine has no runtime configured")
+        runtime: Runtime
         if self.pool is not None:
             runtime = await self.pool.acquire(self.runtime_config)
         else:
@@ -618,9 +622,9 @@ def _cleanup_scope(deadline_s: float) -> trio.CancelScope:
     return trio.CancelScope(shield=True, deadline=trio.current_time() + deadline_s)
 
 
-def _fail_after(seconds: float | None) -> trio.CancelScope:
+def _fail_after(seconds: float | None) -> AbstractContextManager[trio.CancelScope]:
     return trio.fail_after(seconds) if seconds is not None else trio.CancelScope()
 
 
-def _move_on_after(seconds: float | None) -> trio.CancelScope:
+def _move_on_after(seconds: float | None) -> AbstractContextManager[trio.CancelScope]:
     return trio.move_on_after(seconds) if seconds is not None else trio.CancelScope()

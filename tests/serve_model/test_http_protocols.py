@@ -11,7 +11,7 @@ import trio
 from lowwater.envs.arithmetic import problem
 from lowwater.http import serve
 from lowwater.serve_model import ScriptedModel, build_app, tokens
-from lowwater.serve_model.replay import annotations
+from lowwater.serve_model.replay import annotation_matches
 
 from ._client import (
     PATHS,
@@ -62,7 +62,7 @@ def test_replay_walk_over_a_gsm8k_row_every_protocol(protocol):
 
     plain, streamed = run_with_server(replay_model(), body)
     assert [_key(t) for t in plain] == [_key(t) for t in streamed]
-    marks = annotations(recorded)
+    marks = annotation_matches(recorded)
     assert len(plain) == len(marks) + 1
     assert [t.expression for t in plain[:-1]] == [m.group(1).split("=", 1)[0] for m in marks]
     # The served text is the recording without its annotation markup, ending in the recorded answer.
@@ -261,7 +261,7 @@ def test_malformed_requests_are_400_with_a_reason():
 @requires_data
 def test_replay_refusals_are_400():
     question = several_step_row()["question"]
-    steps = len(annotations(several_step_row()["175b_verification"]["solution"]))
+    steps = len(annotation_matches(several_step_row()["175b_verification"]["solution"]))
 
     async def body(url, client):
         for protocol in PROTOCOLS:

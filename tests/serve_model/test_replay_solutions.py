@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lowwater.serve_model import ModelError, ReplayDataError, ReplayModel, UnknownQuestion
-from lowwater.serve_model.replay import annotations, normalize, solution_turn
+from lowwater.serve_model.replay import annotation_matches, normalize, solution_turn
 
 from ._client import SOLUTIONS, gsm8k_rows, replay_model, requires_data
 
@@ -33,7 +33,7 @@ def test_every_175b_verification_solution_is_rebuilt_exactly():
         recorded = row["175b_verification"]["solution"]
         turns = offline_walk(model, row["question"])
         assert "".join(t.text + (t.annotation or "") for t in turns) == recorded
-        marks = annotations(recorded)
+        marks = annotation_matches(recorded)
         assert len(turns) == len(marks) + 1
         for turn, mark in zip(turns, marks):
             assert turn.tool_call.name == "calculator"

@@ -27,6 +27,8 @@ import json
 import math
 import operator
 import re
+from collections.abc import Callable
+from typing import Any
 
 MAX_CHARS = 256
 #: Syntax nodes of the parsed expression (``ast.walk``); GSM8K's longest annotation has 35.
@@ -45,7 +47,7 @@ _BINOPS = {
     ast.Mod: operator.mod,
     ast.Pow: operator.pow,
 }
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _BAD_ARGUMENTS = "error: arguments must be a JSON object with an 'expression' string"
 
@@ -101,7 +103,7 @@ def tool_answer(arguments: str) -> str:
 
 
 def _eval(node: ast.AST) -> float | int:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
         return _check(node.value)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _check(_UNARY[type(node.op)](_eval(node.operand)))

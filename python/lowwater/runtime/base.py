@@ -29,6 +29,7 @@ from typing import Any
 import attrs
 import trio
 
+from lowwater import _validate as v
 from lowwater._native import LowwaterError
 
 MIB = 1 << 20
@@ -175,7 +176,7 @@ class RuntimeConfig:
     python: str = attrs.field(factory=lambda: sys.executable)
     env: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_pairs)
     inherit_env: bool = True
-    pass_env: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    pass_env: tuple[str, ...] = attrs.field(default=(), converter=v.str_tuple)
     max_output_bytes: int = attrs.field(default=MIB, validator=_positive)
     root: str | None = None
     warm_start_timeout_s: float = attrs.field(default=120.0, validator=_positive)

@@ -101,9 +101,9 @@ class SubprocessRuntime(Runtime):
             raise RuntimeStartError(f"cannot create runtime directory: {exc}") from exc
         self._root = root
         try:
-            await trio.to_thread.run_sync(lambda: ((root / "work").mkdir(), (root / "state").mkdir()))
+            await trio.to_thread.run_sync(_make_dirs, root)
         except BaseException as exc:
-            await trio.to_thread.run_sync(shutil.rmtree, root, True, cancellable=False)
+            await trio.to_thread.run_sync(shutil.rmtree, root, True)
             self._root = None
             if isinstance(exc, OSError):
                 raise RuntimeStartError(f"cannot create runtime directory: {exc}") from exc
@@ -188,6 +188,7 @@ class SubprocessRuntime(Runtime):
         out, err = Capped(limit), Capped(limit, tail=True)
         out_done, err_done = trio.Event(), trio.Event()
         timed_out = False
+        assert proc.stdout is not None and proc.stderr is not None  # opened with PIPE above
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(out.drain, proc.stdout, out_done)
@@ -259,3 +260,8 @@ def _empty_dir(path: Path) -> None:
                     os.unlink(entry.path)
                 except FileNotFoundError:
                     pass
+
+
+def _make_dirs(root: Path) -> None:
+    (root / "work").mkdir()
+    (root / "state").mkdir()

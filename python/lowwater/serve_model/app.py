@@ -519,7 +519,7 @@ def messages_body(r: _Render) -> Json:
 
 def messages_events(r: _Render) -> Iterator[bytes]:
     done = r.done
-    start = {
+    start: dict[str, Any] = {
         "id": f"msg_lw{r.number:012d}",
         "type": "message",
         "role": "assistant",

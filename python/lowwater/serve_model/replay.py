@@ -117,7 +117,7 @@ def question_candidates(text: str) -> Iterator[str]:
             yield last
 
 
-def annotations(solution: str) -> list[re.Match[str]]:
+def annotation_matches(solution: str) -> list[re.Match[str]]:
     """The closed ``<<...>>`` annotations of ``solution``, in order."""
     return list(_ANNOTATION.finditer(solution))
 

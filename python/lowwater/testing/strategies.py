@@ -19,7 +19,7 @@ from lowwater.trajectory import Turn
 
 PROTOCOLS = ("openai.chat", "openai.responses", "anthropic.messages")
 
-_text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=200)
+_text = st.text(st.characters(exclude_categories=["Cs"]), max_size=200)
 _ids = st.from_regex(r"[a-z0-9]{1,12}", fullmatch=True)
 
 

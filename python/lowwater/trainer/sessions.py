@@ -536,5 +536,13 @@ def _write_private(path: Path, payload: dict[str, Any]) -> None:
 
 
 def load_dump(path: Path) -> dict[str, Any]:
-    """Read back a session written by a cleanup pass."""
-    return orjson.loads(Path(path).read_bytes())
+    """Read back a session written by a cleanup pass.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not a JSON object (``orjson.JSONDecodeError`` is one).
+    """
+    data = orjson.loads(Path(path).read_bytes())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a session (not a JSON object)")
+    return data

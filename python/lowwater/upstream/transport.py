@@ -144,7 +144,7 @@ class FreeListTransport(httpx.AsyncBaseTransport):
             method=request.method,
             url=httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=port, target=url.raw_path),
             headers=request.headers.raw,
-            content=request.stream,  # type: ignore[arg-type]
+            content=request.stream,
             extensions=request.extensions,
         )
         stale: list[httpcore.AsyncHTTPConnection] = []
@@ -163,7 +163,7 @@ class FreeListTransport(httpx.AsyncBaseTransport):
         return httpx.Response(
             status_code=response.status,
             headers=response.headers,
-            stream=ResponseStream(response.stream, self, connection, origin),  # type: ignore[arg-type]
+            stream=ResponseStream(response.stream, self, connection, origin),
             extensions=response.extensions,
         )
 

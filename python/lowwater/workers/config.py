@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 
+from lowwater import _validate as v
 from lowwater.workers.allocator import OFF
 from lowwater.workers.contract import PoolConfigError
 
@@ -152,7 +153,7 @@ class PoolConfig:
     gc_at_quiescence: bool = True
     lag_interval_s: float = attrs.field(default=0.05, validator=_positive())
     orphan_grace_s: float = attrs.field(default=5.0, validator=_non_negative)
-    preload: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    preload: tuple[str, ...] = attrs.field(default=(), converter=v.str_tuple)
     start_method: str = attrs.field(default="forkserver", validator=_start_method)
     seed: int | None = None
 
