@@ -120,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
         what = f"replay of {model.name.split(':', 1)[1]!r} ({len(model.solutions)} questions)"
 
     bound = False
+    # Started by a run (lowwater.upstream.spec): stop when its pipe closes.
+    raw_fd = os.environ.pop("LOWWATER_PARENT_FD", None)
+    parent_fd = int(raw_fd) if raw_fd and raw_fd.isdigit() else None
 
     async def main() -> None:
         nonlocal bound
@@ -130,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
                 )
             )
             bound = True
+            if parent_fd is not None:
+                nursery.start_soon(_stop_with_parent, parent_fd, nursery.cancel_scope)
             print(url, flush=True)
             guard = f"  bound to {args.host}, beyond loopback: every request needs the admin key\n" if admin_key else ""
             # The line to paste: the base URL with its /v1 and the served
@@ -158,6 +163,20 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot bind {args.host}:{args.port}: {err.strerror or err}") from None
         raise
     return 0
+
+
+async def _stop_with_parent(fd: int, scope: Any) -> None:
+    """Cancel ``scope`` once ``fd`` (the read end of the parent's pipe) reaches
+    EOF: the parent ended the run or died, even by SIGKILL."""
+    import trio
+
+    stream = trio.lowlevel.FdStream(fd)
+    try:
+        while await stream.receive_some(4096):
+            pass
+    except OSError:
+        pass
+    scope.cancel()
 
 
 def _leaves(error: BaseException) -> Iterator[BaseException]:

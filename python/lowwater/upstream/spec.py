@@ -8,15 +8,14 @@ serve-model`` as a real local HTTP server in a child process for the run
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -124,14 +123,21 @@ async def model_server(
         return
     # stderr goes to a file, not a pipe: a pipe nobody reads would fill and
     # block the server mid-run; the file gives the reason if it fails.
-    with tempfile.TemporaryFile() as errfile:
+    # The child exits when the read end of this pipe reaches EOF: when this
+    # block ends or this process dies, even by SIGKILL (the kernel closes the
+    # write end).  PR_SET_PDEATHSIG, used before, fires when the *thread*
+    # that forked the child exits, and Trio forks in a worker thread that
+    # exits after 10 s idle: serve-model was stopped 10 s into runs.
+    alive_r, alive_w = os.pipe()  # neither end is inherited by other children
+    with tempfile.TemporaryFile() as errfile, _closing_fd(alive_w):
         process = await trio.lowlevel.open_process(
             serve_model_argv(spec, host=host, advertise=advertise),
             stdout=subprocess.PIPE,
             stderr=errfile,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            preexec_fn=_die_with_parent(),
+            env={**os.environ, "PYTHONUNBUFFERED": "1", PARENT_FD_ENV: str(alive_r)},
+            pass_fds=(alive_r,),
         )
+        os.close(alive_r)
         try:
             async with trio.open_nursery() as nursery:
                 url = await _read_url(process, start_timeout_s, errfile)
@@ -143,31 +149,17 @@ async def model_server(
                 await _stop(process)
 
 
-def _die_with_parent() -> Any:
-    """A ``preexec_fn`` that makes the child get SIGTERM when this process
-    dies (Linux ``PR_SET_PDEATHSIG``), or ``None`` where that is missing.
+#: Environment variable naming the pipe fd a ``serve-model`` child watches:
+#: it stops when the fd reaches EOF (its parent ended the block or died).
+PARENT_FD_ENV = "LOWWATER_PARENT_FD"
 
-    A SIGKILLed ``lowwater eval`` left its ``serve-model`` child running (12
-    of 12 kills); ``finally`` blocks do not run on SIGKILL, the kernel's
-    parent-death signal does.
-    """
+
+@contextmanager
+def _closing_fd(fd: int) -> Iterator[None]:
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl: nobody would signal us
-            os._exit(1)
-
-    return preexec
-
-
-#: ``prctl`` option: the signal a process gets when its parent dies (linux/prctl.h).
-PR_SET_PDEATHSIG = 1
+        yield
+    finally:
+        os.close(fd)
 
 
 async def _drain(process: trio.Process) -> None:
