@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import logging
-import os
 import time
 import uuid
 from collections import Counter
@@ -609,17 +608,11 @@ def _reachable(config: EvalConfig, plugins: plugins_mod.Plugins) -> EvalConfig:
         lowwater.http.exposure.ExposureError: no admin key for a bind beyond
             loopback, or a remote backend with a loopback-only model server.
     """
-    from lowwater.http.exposure import ADMIN_KEY_ENV, check_bind, is_loopback, require_reachable
+    from lowwater.http.exposure import reachable_model
 
-    local_model = config.model.kind in ("scripted", "replay")
-    if local_model and not is_loopback(config.bind):
-        key = os.environ.get(ADMIN_KEY_ENV) or None
-        check_bind("the model server (serve-model)", config.bind, key)
-        config = attrs.evolve(config, model=attrs.evolve(config.model, api_key=key))
-    if config.workers and getattr(plugins.backend(config.backend), "remote", False):
-        where = config.bind if local_model else (config.model.url or "")
-        require_reachable("the model server", where, config.backend)
-    return config
+    remote = bool(config.workers) and getattr(plugins.backend(config.backend), "remote", False)
+    model = reachable_model(config.model, bind=config.bind, backend=config.backend, remote=remote)
+    return config if model == config.model else attrs.evolve(config, model=model)
 
 
 async def _run_pooled(

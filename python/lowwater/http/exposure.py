@@ -14,6 +14,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+from typing import Any
 
 log = logging.getLogger("lowwater.http")
 
@@ -89,20 +90,49 @@ def check_bind(what: str, host: str, admin_key: str | None, *, key_env: str = AD
 
 
 def require_reachable(what: str, url_or_host: str, backend: str) -> None:
-    """Refuse a loopback address that workers on other hosts must reach.
+    """Refuse a loopback address that workers on other hosts must reach
+    (``url_or_host``: a URL, or a bare host as a server binds it).
 
     Raises:
         ExposureError: ``url_or_host`` is a loopback address.
     """
     from urllib.parse import urlsplit
 
-    host = urlsplit(url_or_host).hostname if "://" in url_or_host else url_or_host.rpartition(":")[0]
-    if host is not None and is_loopback(host or "127.0.0.1"):
+    host = (urlsplit(url_or_host).hostname or "") if "://" in url_or_host else url_or_host
+    if not host or is_loopback(host):
         raise ExposureError(
             f"backend {backend!r} runs env workers on other hosts, which cannot reach {what} at {url_or_host} "
             f"(bound to loopback): bind it to a reachable address (lowwater eval --bind 0.0.0.0 with "
             f"{ADMIN_KEY_ENV} set, or --model-url with an address the workers can reach)"
         )
+
+
+def reachable_model(model: Any, *, bind: str, backend: str, remote: bool, environ: Any = None) -> Any:
+    """The model spec (:class:`lowwater.upstream.spec.ModelSpec`) a run's
+    workers use, checked for where they run.
+
+    A model server the run starts itself (``scripted``, ``replay``) bound
+    beyond loopback needs :data:`ADMIN_KEY_ENV`, which becomes the spec's API
+    key (serve-model then checks it on every call, and the workers send it);
+    a ``remote`` backend's workers must be able to reach the model.
+
+    Raises:
+        ExposureError: no admin key for a bind beyond loopback, or a remote
+            backend with a loopback-only model server.
+    """
+    import os
+
+    import attrs
+
+    environ = os.environ if environ is None else environ
+    local = model.kind in ("scripted", "replay")
+    if local and not is_loopback(bind):
+        key = environ.get(ADMIN_KEY_ENV) or None
+        check_bind("the model server (serve-model)", bind, key)
+        model = attrs.evolve(model, api_key=key)
+    if remote:
+        require_reachable("the model server", bind if local else (model.url or ""), backend)
+    return model
 
 
 __all__ = [
@@ -114,5 +144,6 @@ __all__ = [
     "is_wildcard",
     "join",
     "primary_address",
+    "reachable_model",
     "require_reachable",
 ]

@@ -81,6 +81,10 @@ class TrainerConfig:
             a plugin's (``"ray"``); anything but ``"local"`` needs ``workers``.
         ray_address: the cluster the backend joins (``ray``: ``"auto"`` or
             ``HOST:PORT``; ``None``: the backend's default).
+        bind, advertise: where the model server the trainer starts
+            (scripted, replay) binds and the host its URL names; beyond
+            loopback it needs ``LOWWATER_ADMIN_KEY`` (the workers send it).  A
+            remote backend (``ray``) refuses a loopback-only model server.
         runtime: the runtime agent programs and scripts run in (a
             ``register_runtimes`` name; ``None``: the environment's, else
             ``"subprocess"``; :mod:`lowwater.runtime_choice`).
@@ -107,6 +111,8 @@ class TrainerConfig:
     max_tasks_per_worker: int | None = attrs.field(default=None, validator=v.optional(v.at_least(1)))
     backend: str = attrs.field(default="local")
     ray_address: str | None = None
+    bind: str = "127.0.0.1"
+    advertise: str | None = None
     runtime: str | None = None
     runtime_options: dict[str, Any] = attrs.field(factory=dict)
     program: str | None = attrs.field(default=None, validator=v.program_needs_harness)
@@ -218,11 +224,15 @@ class Lowwater:
         from lowwater.upstream.client import ModelClient
 
         plugins = plugins or plugins_mod.load()
+        config = _reachable(config, plugins)
         env: Environment = plugins.environment(config.env)(config.env_options)
         store = ShardStore()
         try:
             runtime_config = await _check_runtime(config, env, plugins)
-            async with model_server(config.model) as url, ModelClient(url, api_key=config.model.api_key) as client:
+            async with (
+                model_server(config.model, host=config.bind, advertise=config.advertise) as url,
+                ModelClient(url, api_key=config.model.api_key) as client,
+            ):
                 server = InterceptionServer(
                     client, protocols=list(plugins.protocols.values()) or None, request_logprobs=config.request_logprobs
                 )
@@ -357,6 +367,22 @@ class Lowwater:
             "engine": self.engine.stats(),
             "intercepts": self.engine.interceptor.table.stats(),
         }
+
+
+def _reachable(config: TrainerConfig, plugins: Any) -> TrainerConfig:
+    """``config`` with its model checked for where the workers run (see
+    :func:`lowwater.http.exposure.reachable_model`).
+
+    Raises:
+        lowwater.plugins.UnknownName: unknown backend.
+        lowwater.http.exposure.ExposureError: no admin key for a bind beyond
+            loopback, or a remote backend with a loopback-only model server.
+    """
+    from lowwater.http.exposure import reachable_model
+
+    remote = bool(config.workers) and getattr(plugins.backend(config.backend), "remote", False)
+    model = reachable_model(config.model, bind=config.bind, backend=config.backend, remote=remote)
+    return config if model == config.model else attrs.evolve(config, model=model)
 
 
 #: Seconds the pool gets to stop its workers when the trainer closes.
