@@ -45,9 +45,11 @@ def ray_cluster(tmp_path_factory):
         cluster.wait(2)
         yield cluster
     finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        left = cluster.stop()
+        try:
+            if ray.is_initialized():
+                ray.shutdown()
+        finally:
+            left = cluster.stop()  # whatever happened above: no node outlives the session
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

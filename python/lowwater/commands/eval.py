@@ -451,6 +451,12 @@ def _print_summary(console: Any, report: Any, config: Any) -> None:
         )
         table.add_row("admission held rollouts back", f"{p['admission_wait_s']:.2f} s ({p['admission_holds']} holds)")
         table.add_row("worker RSS peak", f"{p['worker_rss_peak_mb']:.1f} MiB")
+        if "node_pools" in p:  # a multi-node backend (ray): its node pools and the memory Ray keeps
+            table.add_row("node pools started / crashed", f"{p['node_pools']} / {p['node_pool_crashes']}")
+            table.add_row(
+                "object store peak / host Shmem peak",
+                f"{p['object_store_peak_mb']:.1f} / {p['shmem_peak_mb']:.1f} MiB",
+            )
     if s["pass_at_k"]:
         for label, key in (("pass@k", "pass_at_k"), ("pass^k", "pass_hat_k")):
             values = ", ".join(f"{label[:-1]}{k} {100 * v:.2f} %" for k, v in s[key].items() if v is not None)

@@ -21,6 +21,7 @@ A real trainer worker subclasses it and computes on the views in
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from typing import Any
 
@@ -56,6 +57,10 @@ class ConsumerActor:
             self._address = await nursery.start(serve, self.consumer, self._host, 0)
             self._up.set()
             await trio.sleep_forever()
+
+    def pid(self) -> int:
+        """This actor's process id (its RSS is the consumer's)."""
+        return os.getpid()
 
     def address(self) -> str:
         """``host:port`` of the drain endpoints (``clear_batch``'s ``consumers``)."""
