@@ -295,6 +295,7 @@ class Lowwater:
         self.step += 1
         if self.engine is None:
             return await self._next_batch_pooled(step, n_groups)
+        engine = self.engine  # not None past the check above, and a closure needs it so typed
         slots: list[tuple[Any, list[ShardRef], tuple[float, ...], int] | None] = [None] * n_groups
         limiter = trio.CapacityLimiter(self.config.concurrency)
 
@@ -307,9 +308,7 @@ class Lowwater:
                 refs.extend(group_shards(self.store, f"step{step}/{group.group_id}", group.rollouts, trajectories))
 
             async with limiter:
-                group = await self.engine.run_group(
-                    task, self.config.group_size, on_group=produce, group_id=f"s{step}-g{i}"
-                )
+                group = await engine.run_group(task, self.config.group_size, on_group=produce, group_id=f"s{step}-g{i}")
             slots[i] = (
                 task.id,
                 refs,
@@ -467,10 +466,12 @@ class SyncLowwater:
         return trio.from_thread.run(lambda: fn(*args, **kwargs), trio_token=self._token)
 
     def next_batch(self, n_groups: int) -> Batch:
-        return self._call(self.lw.next_batch, n_groups)
+        batch: Batch = self._call(self.lw.next_batch, n_groups)
+        return batch
 
     def clear_batch(self, batch: Batch | Sequence[ShardRef | str], *, consumers: Sequence[str] = ()) -> DrainReport:
-        return self._call(self.lw.clear_batch, batch, consumers=consumers)
+        report: DrainReport = self._call(self.lw.clear_batch, batch, consumers=consumers)
+        return report
 
     def stats(self) -> dict[str, Any]:
         return trio.from_thread.run_sync(self.lw.stats, trio_token=self._token)

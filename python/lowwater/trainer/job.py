@@ -106,7 +106,8 @@ class TrainerJob(EngineJob):
         local.remove([shard_id])
         if response.status_code != 201:
             raise ShardUploadError(f"the trainer's shard store answered {response.status_code}: {response.text[:200]}")
-        return response.json()
+        ref: dict[str, Any] = response.json()
+        return ref
 
 
 def make_job(**kwargs: Any) -> TrainerJob:

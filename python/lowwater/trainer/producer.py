@@ -77,7 +77,7 @@ def group_shards(
         offsets.append(len(token_ids))
         rewards.append(float(rollout.reward) if trained and rollout.reward is not None else 0.0)
     advantages = array("f", group_advantages(list(rewards)))
-    arrays = {
+    arrays: dict[str, tuple[array[Any], str]] = {
         "token_ids": (token_ids, "int64"),
         "logprobs": (logprobs, "float32"),
         "loss_mask": (loss_mask, "uint8"),

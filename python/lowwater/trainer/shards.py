@@ -87,6 +87,10 @@ class ShardFetchError(LowwaterError):
     """An owner could not be reached, or answered with an error, after retries."""
 
 
+def _int_tuple(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
 @attrs.frozen
 class ShardRef:
     """A lightweight reference to one shard held by its owner.
@@ -108,7 +112,7 @@ class ShardRef:
     shard_id: str
     owner: str
     dtype: str
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    shape: tuple[int, ...] = attrs.field(converter=_int_tuple)
     nbytes: int
     transport: str = "http"
     handle: Any = attrs.field(default=None, eq=False, repr=False)
@@ -531,16 +535,17 @@ def _one_error(group: BaseExceptionGroup) -> BaseException:
     :class:`ShardFetchError`, else the group itself (a bug, or cancellation).
     """
     leaves = _leaves(group)
-    if all(isinstance(e, ShardMissing) for e in leaves):
-        owners = sorted({e.owner for e in leaves})
-        return ShardMissing(", ".join(owners), [m for e in leaves for m in e.missing])
+    missing = [e for e in leaves if isinstance(e, ShardMissing)]
+    if len(missing) == len(leaves):
+        owners = sorted({e.owner for e in missing})
+        return ShardMissing(", ".join(owners), [m for e in missing for m in e.missing])
     if all(isinstance(e, (ShardMissing, ShardFetchError)) for e in leaves):
         return next(e for e in leaves if isinstance(e, ShardFetchError))
     return group
 
 
-def _leaves(group: BaseExceptionGroup) -> list:
-    out = []
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
     for exc in group.exceptions:
         out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
     return out
@@ -635,12 +640,13 @@ async def clear_batch(
         try:
             r = await client.post(f"http://{consumer}/buffer/drain", content=payload)
             r.raise_for_status()
-            results[consumer] = r.json()
+            answer: dict[str, Any] = r.json()
+            results[consumer] = answer
         except (httpx.HTTPError, ValueError) as exc:
             log.warning("consumer %s did not report its fetch buffer after the drain: %r", consumer, exc)
             results[consumer] = None
             return
-        stats = results[consumer]["stats"]
+        stats = answer["stats"]
         if stats.get("entries"):
             log.warning(
                 "consumer %s still holds %d shards (%d bytes) after the step's drain: a fetch-buffer leak",
