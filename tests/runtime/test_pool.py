@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import functools
 import sys
-import time
 
-import psutil
 import pytest
 import trio
 import trio.testing
@@ -21,28 +19,11 @@ from lowwater.runtime import (
     SubprocessRuntime,
 )
 
+from ._procs import live_children
+
 PY = sys.executable
 CFG = RuntimeConfig(persistent=True)
 HANG_S = 60
-
-
-def live_children(expect: int = 0, settle_s: float = 10.0) -> list[psutil.Process]:
-    """Non-zombie descendants of this process.  SIGKILL is asynchronous for
-    processes nobody reaps at once (grandchildren), so wait up to ``settle_s``
-    for their number to reach ``expect`` before reporting (a hang guard, not
-    a timing assertion)."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        out = []
-        for p in psutil.Process().children(recursive=True):
-            try:
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p)
-            except psutil.NoSuchProcess:
-                pass
-        if len(out) == expect or time.monotonic() > deadline:
-            return out
-        time.sleep(0.01)
 
 
 class Tracking(SubprocessRuntime):

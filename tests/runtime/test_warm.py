@@ -7,7 +7,6 @@ import functools
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -23,6 +22,8 @@ from lowwater.runtime import (
     SubprocessRuntime,
     WarmWorkerCrashed,
 )
+
+from ._procs import live_children
 
 HANG_S = 60
 
@@ -81,35 +82,6 @@ def main(argv):
 if __name__ == "__main__":
     sys.stdout.write(main(sys.argv[1:]))
 """
-
-
-#: multiprocessing's forkserver and resource tracker: one per process, started
-#: by an earlier test's WorkerPool (tests/eval, tests/workers) and alive until
-#: pytest exits, by design; not a warm worker left behind.
-_MP_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
-
-
-def _mp_helper(p: psutil.Process) -> bool:
-    return any(helper in arg for arg in p.cmdline() for helper in _MP_HELPERS)
-
-
-def live_children(expect: int = 0, settle_s: float = 10.0) -> list[psutil.Process]:
-    """Non-zombie descendants of this process, multiprocessing's helpers
-    excepted.  SIGKILL is asynchronous for processes nobody reaps at once
-    (grandchildren), so wait up to ``settle_s`` for their number to reach
-    ``expect`` before reporting (a hang guard, not a timing assertion)."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        out = []
-        for p in psutil.Process().children(recursive=True):
-            try:
-                if p.status() != psutil.STATUS_ZOMBIE and not _mp_helper(p):
-                    out.append(p)
-            except psutil.NoSuchProcess:
-                pass
-        if len(out) == expect or time.monotonic() > deadline:
-            return out
-        time.sleep(0.01)
 
 
 @pytest.fixture
