@@ -72,7 +72,7 @@ class EngineConfig:
     timeout_s: float = attrs.field(default=600.0, validator=v.positive("timeout", "seconds"))
     harness: str = attrs.field(default="inprocess", validator=v.one_of(HARNESSES, "harness"))
     persistent: bool = True
-    pass_env: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    pass_env: tuple[str, ...] = attrs.field(default=(), converter=v.str_tuple)
     sampling: dict[str, Any] = attrs.field(factory=dict)
     runtime: str | None = None
     runtime_options: dict[str, Any] = attrs.field(factory=dict)

@@ -159,8 +159,8 @@ def run(args: argparse.Namespace) -> int:
             print("lowwater serve-model: stopped", file=sys.stderr)
             return 0
         if not bound and len(leaves) == 1 and isinstance(leaves[0], OSError):
-            err = leaves[0]
-            raise UsageError(f"cannot bind {args.host}:{args.port}: {err.strerror or err}") from None
+            bind_error = leaves[0]
+            raise UsageError(f"cannot bind {args.host}:{args.port}: {bind_error.strerror or bind_error}") from None
         raise
     return 0
 

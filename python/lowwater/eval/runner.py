@@ -152,7 +152,7 @@ class EvalConfig:
     )
     max_rss_mb: float | None = attrs.field(default=None, validator=v.optional(v.positive("max-rss-mb")))
     high_water_mb: float | None = attrs.field(default=None, validator=v.optional(v.positive("high-water-mb")))
-    pass_env: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    pass_env: tuple[str, ...] = attrs.field(default=(), converter=v.str_tuple)
     samples: bool = True
     max_error_rate: float = attrs.field(default=0.0)
     runtime: str | None = None
