@@ -16,6 +16,8 @@ import pytest
 
 from lowwater._native import FetchBuffer, InterceptTable
 
+pytestmark = pytest.mark.memory
+
 MiB = 1 << 20
 SHARD = 4 * MiB
 TOTAL = 512 * MiB
