@@ -452,7 +452,11 @@ async def run_eval(
     plugins = plugins or plugins_mod.load()
     factory = plugins.environment(config.env)
     check_options(config.env, factory, config.env_options)
-    config = _reachable(config, plugins)  # an unknown --backend or an unreachable model fails before anything starts
+    from lowwater.http.exposure import reachable_config  # lazy: the HTTP stack only for runs
+
+    config = reachable_config(
+        config, plugins
+    )  # an unknown --backend or an unreachable model fails before anything starts
     env: Environment = factory(config.env_options)
     run_id = uuid.uuid4().hex[:12]
     try:
@@ -595,24 +599,6 @@ async def _run_here(
             await plugins.fire("shutdown")
             ticker.cancel_scope.cancel()
         return {**engine.stats(), "intercepts": len(server.table)}
-
-
-def _reachable(config: EvalConfig, plugins: plugins_mod.Plugins) -> EvalConfig:
-    """``config`` ready for servers and workers beyond this machine: a model
-    server bound beyond loopback needs the admin key (which the workers then
-    send as the model's API key), and a remote backend's workers must be able
-    to reach the model.
-
-    Raises:
-        lowwater.plugins.UnknownName: unknown backend.
-        lowwater.http.exposure.ExposureError: no admin key for a bind beyond
-            loopback, or a remote backend with a loopback-only model server.
-    """
-    from lowwater.http.exposure import reachable_model
-
-    remote = bool(config.workers) and getattr(plugins.backend(config.backend), "remote", False)
-    model = reachable_model(config.model, bind=config.bind, backend=config.backend, remote=remote)
-    return config if model == config.model else attrs.evolve(config, model=model)
 
 
 async def _run_pooled(

@@ -14,7 +14,9 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
-from typing import Any
+from typing import Any, TypeVar
+
+import attrs
 
 log = logging.getLogger("lowwater.http")
 
@@ -147,3 +149,25 @@ __all__ = [
     "reachable_model",
     "require_reachable",
 ]
+
+
+C = TypeVar("C")
+
+
+def reachable_config(config: C, plugins: Any) -> C:
+    """``config`` (an eval's or a trainer's: attrs, with ``workers``,
+    ``backend``, ``bind`` and ``model``) ready for servers and workers beyond
+    this machine: a model server bound beyond loopback needs the admin key
+    (which the workers then send as the model's API key), and a remote
+    backend's workers must be able to reach the model
+    (:func:`reachable_model`).
+
+    Raises:
+        lowwater.plugins.UnknownName: unknown backend.
+        ExposureError: no admin key for a bind beyond loopback, or a remote
+            backend with a loopback-only model server.
+    """
+    c: Any = config
+    remote = bool(c.workers) and getattr(plugins.backend(c.backend), "remote", False)
+    model = reachable_model(c.model, bind=c.bind, backend=c.backend, remote=remote)
+    return config if model == c.model else attrs.evolve(c, model=model)

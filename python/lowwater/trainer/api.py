@@ -224,7 +224,9 @@ class Lowwater:
         from lowwater.upstream.client import ModelClient
 
         plugins = plugins or plugins_mod.load()
-        config = _reachable(config, plugins)
+        from lowwater.http.exposure import reachable_config  # lazy: the HTTP stack only for runs
+
+        config = reachable_config(config, plugins)
         env: Environment = plugins.environment(config.env)(config.env_options)
         store = ShardStore()
         try:
@@ -366,22 +368,6 @@ class Lowwater:
             "engine": self.engine.stats(),
             "intercepts": self.engine.interceptor.table.stats(),
         }
-
-
-def _reachable(config: TrainerConfig, plugins: Any) -> TrainerConfig:
-    """``config`` with its model checked for where the workers run (see
-    :func:`lowwater.http.exposure.reachable_model`).
-
-    Raises:
-        lowwater.plugins.UnknownName: unknown backend.
-        lowwater.http.exposure.ExposureError: no admin key for a bind beyond
-            loopback, or a remote backend with a loopback-only model server.
-    """
-    from lowwater.http.exposure import reachable_model
-
-    remote = bool(config.workers) and getattr(plugins.backend(config.backend), "remote", False)
-    model = reachable_model(config.model, bind=config.bind, backend=config.backend, remote=remote)
-    return config if model == config.model else attrs.evolve(config, model=model)
 
 
 #: Seconds the pool gets to stop its workers when the trainer closes.
