@@ -36,7 +36,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import random
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
@@ -47,6 +46,7 @@ import trio
 
 from lowwater import BufferFull, FetchBuffer, LowwaterError, ShardView
 from lowwater._native import DTYPES
+from lowwater.backoff import full_jitter
 from lowwater.framing import FrameDecoder, FrameError, encode_frame
 from lowwater.http import (
     HTTPError,
@@ -373,17 +373,18 @@ class ShardStore:
 
 
 @attrs.define
-class RetryPolicy:
-    """Retries of connection errors: ``attempts`` tries, jittered exponential backoff (seconds)."""
+class FetchRetry:
+    """How a consumer retries connection errors to a shard owner: ``attempts``
+    tries, :func:`lowwater.backoff.full_jitter` between them (seconds).
+    (Not :class:`lowwater.rollout.RetryPolicy`, which retries whole rollouts by error class.)"""
 
     attempts: int = 4
     base_delay_s: float = 0.05
     max_delay_s: float = 2.0
 
     def delay_s(self, attempt: int) -> float:
-        # Full jitter (AWS architecture blog, "Exponential Backoff and Jitter"):
-        # consumers retrying one restarted owner must not retry in lockstep.
-        return random.uniform(0, min(self.max_delay_s, self.base_delay_s * 2**attempt))
+        """Seconds before retry ``attempt`` (0-based)."""
+        return full_jitter(attempt, self.base_delay_s, self.max_delay_s)
 
 
 _DEFAULT_TRIM: Any = object()
@@ -420,7 +421,7 @@ class ShardConsumer:
         *,
         chunk_size: int = 64,
         max_concurrency: int = 8,
-        retry: RetryPolicy | None = None,
+        retry: FetchRetry | None = None,
         trim: Callable[[], object] | None = _DEFAULT_TRIM,
         transports: dict[str, Any] | None = None,
     ) -> None:
@@ -527,28 +528,22 @@ class ShardConsumer:
         await send_json(send, 200, self.stats())
 
 
-def _one_error(group: BaseExceptionGroup) -> BaseException:
-    """The error a caller of :meth:`ShardConsumer.fetch` sees for a failed nursery.
+def fetch_error(group: BaseExceptionGroup[ShardMissing | ShardFetchError]) -> LowwaterError:
+    """The one error a caller of ``fetch`` sees for the chunks that failed
+    (``except* (ShardMissing, ShardFetchError) as group``).
 
     Chunks fail independently; callers want one named error, not a group:
-    every missing id merged into one :class:`ShardMissing`, else the first
-    :class:`ShardFetchError`, else the group itself (a bug, or cancellation).
+    the first :class:`ShardFetchError` if any, else every missing id merged
+    into one :class:`ShardMissing`.  Each chunk is a direct child task of the
+    fetch's nursery, so the group is flat.
     """
-    leaves = _leaves(group)
-    missing = [e for e in leaves if isinstance(e, ShardMissing)]
-    if len(missing) == len(leaves):
-        owners = sorted({e.owner for e in missing})
-        return ShardMissing(", ".join(owners), [m for e in missing for m in e.missing])
-    if all(isinstance(e, (ShardMissing, ShardFetchError)) for e in leaves):
-        return next(e for e in leaves if isinstance(e, ShardFetchError))
-    return group
-
-
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
-    out: list[BaseException] = []
-    for exc in group.exceptions:
-        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    return out
+    errors = group.exceptions
+    failed = [e for e in errors if isinstance(e, ShardFetchError)]
+    if failed:
+        return failed[0]
+    missing = [e for e in errors if isinstance(e, ShardMissing)]
+    owners = sorted({e.owner for e in missing})
+    return ShardMissing(", ".join(owners), [m for e in missing for m in e.missing])
 
 
 def _json_or_empty(response: httpx.Response) -> dict[str, Any]:

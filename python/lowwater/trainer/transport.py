@@ -39,12 +39,12 @@ from lowwater.trainer.bulk import BulkClient, BulkError
 from lowwater.trainer.shards import (
     CONSUMER_MMAP_THRESHOLD,
     BatchReader,
-    RetryPolicy,
+    FetchRetry,
     ShardFetchError,
     ShardMissing,
     ShardRef,
     _json_or_empty,
-    _one_error,
+    fetch_error,
 )
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ class HttpTransport(ShardTransport):
         store: ShardStore | None = None,
         chunk_size: int = 64,
         max_concurrency: int = 8,
-        retry: RetryPolicy | None = None,
+        retry: FetchRetry | None = None,
     ) -> None:
         if chunk_size < 1 or max_concurrency < 1:
             raise ValueError("chunk_size and max_concurrency must be >= 1")
@@ -139,7 +139,7 @@ class HttpTransport(ShardTransport):
         self.store = store
         self.chunk_size = chunk_size
         self.limiter = trio.CapacityLimiter(max_concurrency)
-        self.retry = retry or RetryPolicy()
+        self.retry = retry or FetchRetry()
         key = _bearer(self.client.headers.get("authorization", ""))
         self.bulk = BulkClient(self.buffer, key=key, timeout_s=_timeout_s(self.client))
         self._bulk_addresses: dict[str, str | None] = {}
@@ -162,8 +162,8 @@ class HttpTransport(ShardTransport):
                     for owner, ids in misses.items():
                         for start in range(0, len(ids), self.chunk_size):
                             nursery.start_soon(self._fetch_chunk, owner, ids[start : start + self.chunk_size])
-            except BaseExceptionGroup as group:
-                raise _one_error(group) from None
+            except* (ShardMissing, ShardFetchError) as group:
+                raise fetch_error(group) from None
         views = []
         for ref in refs:
             view = self.buffer.get(ref.shard_id)

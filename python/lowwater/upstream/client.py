@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import datetime
 import email.utils
-import random
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -36,6 +35,7 @@ import attrs
 import httpx
 import trio
 
+from lowwater.backoff import full_jitter
 from lowwater.upstream.transport import FreeListTransport, ResponseStream
 
 #: Statuses retried before any byte reached the agent (529: Anthropic "overloaded").
@@ -182,7 +182,7 @@ class ModelClient:
         return response
 
     def _delay(self, attempt: int) -> float:
-        return random.uniform(0.0, min(self.max_backoff_s, self.backoff_s * (2**attempt)))
+        return full_jitter(attempt, self.backoff_s, self.max_backoff_s)
 
     @asynccontextmanager
     async def stream(
