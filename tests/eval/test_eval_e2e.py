@@ -291,6 +291,7 @@ def test_sigkill_of_the_eval_takes_its_serve_model_child_with_it(tmp_path):
     )
     try:
         wait_for_lines(out, 3)
+
         def serve_model_children() -> list[psutil.Process]:
             found = []
             for child in psutil.Process(proc.pid).children(recursive=True):
