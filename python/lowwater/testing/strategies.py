@@ -9,6 +9,7 @@ Use :func:`malformed_bodies` for inputs that must be refused with a 4xx.
 from __future__ import annotations
 
 import base64
+import random
 from typing import Any
 
 import orjson
@@ -41,6 +42,20 @@ def images(max_bytes: int = 4096) -> st.SearchStrategy[str]:
     )
 
 
+#: Sizes of the large images :func:`large_images` draws (bytes before base64):
+#: around the tables' default 1 MiB mmap threshold, so request bodies cross
+#: from heap to their own mapping (a path small bodies never reach).
+LARGE_IMAGE_BYTES = (768 << 10, (1 << 20) - 1, 1 << 20, 3 << 19)
+
+
+def large_images() -> st.SearchStrategy[str]:
+    """A data URL of one of :data:`LARGE_IMAGE_BYTES` pseudo-random bytes
+    (seeded by Hypothesis, so failures shrink and replay)."""
+    return st.tuples(st.sampled_from(LARGE_IMAGE_BYTES), st.integers(0, 2**32 - 1)).map(
+        lambda ns: "data:image/png;base64," + base64.b64encode(random.Random(ns[1]).randbytes(ns[0])).decode()
+    )
+
+
 def chat_messages(max_size: int = 8) -> st.SearchStrategy[list[dict[str, Any]]]:
     """OpenAI chat ``messages``: system/user/assistant/tool, text or multimodal parts."""
     user_content = st.one_of(
@@ -49,6 +64,11 @@ def chat_messages(max_size: int = 8) -> st.SearchStrategy[list[dict[str, Any]]]:
             st.one_of(
                 st.builds(lambda t: {"type": "text", "text": t}, _text),
                 st.builds(lambda u: {"type": "image_url", "image_url": {"url": u}}, images()),
+                # Rarely (one draw in ten of a part): a body past the mmap threshold.
+                st.builds(
+                    lambda u: {"type": "image_url", "image_url": {"url": u}},
+                    st.one_of(*[images()] * 9, large_images()),
+                ),
             ),
             min_size=1,
             max_size=3,
