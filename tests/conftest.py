@@ -28,8 +28,15 @@ if os.environ.get(PROFILE_ENV) == "long":
 #: Set by .ci/run: a skipped test fails the run.  Optional parts (the browser,
 #: Ray, the test plugin distribution) skip on a developer's machine that lacks
 #: them, but CI installs them all, so a skip there means a test silently did
-#: not run.
+#: not run.  The GSM8K data is not installed by CI (it lives beside the
+#: checkout, see the README), so its skips are exempt.
 NO_SKIP_ENV = "LOWWATER_NO_SKIP"
+_DATA_SKIP = "shared/data/gsm8k"
+
+
+def _reason(report: object) -> str:
+    longrepr = getattr(report, "longrepr", None)
+    return str(longrepr[2]) if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -37,9 +44,11 @@ def pytest_sessionfinish(session, exitstatus):
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     skipped = reporter.stats.get("skipped", []) if reporter is not None else []
-    if skipped and session.exitstatus == 0:
+    unexpected = [r for r in skipped if _DATA_SKIP not in _reason(r)]
+    if unexpected and session.exitstatus == 0:
         session.exitstatus = 1
         if reporter is not None:
             reporter.write_line(
-                f"{NO_SKIP_ENV}: {len(skipped)} test(s) skipped; every part is installed in CI", red=True
+                f"{NO_SKIP_ENV}: {len(unexpected)} test(s) skipped although CI installs every part they need",
+                red=True,
             )
