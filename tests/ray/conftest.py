@@ -28,16 +28,45 @@ _ENV = {
 }
 
 
-@pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory):
-    """The connected two-node cluster (a :class:`lowwater_ray.cluster.LocalCluster`)."""
+#: The running cluster and the environment it replaced, while it runs.
+_RUNNING: dict[str, object] = {}
+
+
+def _stop_cluster() -> None:
+    """Stop the cluster (idempotent): disconnect, stop every node, restore
+    the environment, and fail if any Ray process outlived the stop."""
+    if not _RUNNING:
+        return
     import ray
 
+    cluster = _RUNNING.pop("cluster")
+    saved: dict[str, str | None] = _RUNNING.pop("saved")  # type: ignore[assignment]
+    try:
+        if ray.is_initialized():
+            ray.shutdown()
+    finally:
+        left = cluster.stop()  # type: ignore[attr-defined]  # whatever happened above: no node outlives it
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    assert not left, f"Ray processes left after the cluster stopped (killed now): {left}"
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """The connected two-node cluster (a :class:`lowwater_ray.cluster.LocalCluster`),
+    started by the first test that needs it and stopped after the last test
+    of tests/ray (see :func:`pytest_runtest_teardown`), not at the end of the
+    session: its daemons are children of pytest, and later tests (tests/runtime)
+    check that nothing they started is left among this process's children."""
     from lowwater_ray.cluster import LocalCluster
 
-    saved = {k: os.environ.get(k) for k in _ENV}
+    _RUNNING["saved"] = {k: os.environ.get(k) for k in _ENV}
     os.environ.update(_ENV)
     cluster = LocalCluster(tmp_path_factory.mktemp("ray-cluster"), object_store_mb=256, env=_ENV)
+    _RUNNING["cluster"] = cluster
     try:
         cluster.start_head(num_cpus=2, resources={"node1": 1})
         cluster.connect()
@@ -45,17 +74,14 @@ def ray_cluster(tmp_path_factory):
         cluster.wait(2)
         yield cluster
     finally:
-        try:
-            if ray.is_initialized():
-                ray.shutdown()
-        finally:
-            left = cluster.stop()  # whatever happened above: no node outlives the session
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        assert not left, f"Ray processes left after the cluster stopped (killed now): {left}"
+        _stop_cluster()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test of this directory, stop the cluster at once."""
+    here = os.path.dirname(__file__)
+    if nextitem is None or not str(nextitem.path).startswith(here + os.sep):
+        _stop_cluster()
 
 
 @pytest.fixture
