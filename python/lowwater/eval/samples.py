@@ -17,6 +17,7 @@ file behind.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -96,13 +97,19 @@ class SamplesWriter:
         self.path = path
         self._header = orjson.dumps({"type": SAMPLES_TYPE, "run_id": run_id, "results": results}) + b"\n"
         self._file: LineFile | None = None
+        # Appends run in worker threads: two first transcripts finishing
+        # together each created the file and wrote the header (a second
+        # header line in mid-file, found by CI).
+        self._lock = threading.Lock()
         self.written = 0
 
     def _append(self, line: bytes) -> None:
-        if self._file is None:
-            self._file = LineFile(self.path)
-            self._file.append(self._header)
-        self._file.append(line)
+        with self._lock:
+            if self._file is None:
+                self._file = LineFile(self.path)
+                self._file.append(self._header)
+            file = self._file
+        file.append(line)
 
     async def write(self, line: bytes) -> None:
         """Append one encoded transcript (see :func:`encode`).
