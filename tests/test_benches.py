@@ -41,7 +41,7 @@ def run_quick(name: str) -> dict:
 )
 def test_quick_run_prints_benchmark_json(name):
     if name == "eval_gsm8k" and not (BENCHES.parents[1] / "shared" / "data" / "gsm8k" / "test.jsonl").is_file():
-        pytest.skip("../shared/data/gsm8k not present")
+        pytest.skip("GSM8K data not found beside the checkout (../shared/data/gsm8k; see the README's GSM8K section)")
     line = run_quick(name)
     assert set(line) == {"bench", "commit", "params", "results", "targets"}
     assert line["bench"] == name and line["params"]["quick"] is True

@@ -66,7 +66,10 @@ def test_format_result():
     assert [format_result(v) for v in (24, 24.0, 2.5, 1 / 3)] == ["24", "24", "2.5", "0.3333333333"]
 
 
-@pytest.mark.skipif(not GSM8K.exists(), reason="../shared/data/gsm8k is not beside this checkout")
+@pytest.mark.skipif(
+    not GSM8K.exists(),
+    reason="GSM8K data not found beside the checkout (../shared/data/gsm8k; see the README's GSM8K section)",
+)
 def test_recorded_gsm8k_annotations_mostly_agree():
     """The recorded annotations' results match the calculator except for the
     dataset's known glitches (its README: about 1 % calculator errors)."""

@@ -20,7 +20,10 @@ from lowwater.eval.results import read_rows
 from lowwater.upstream.spec import ModelSpec
 
 GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
-needs_gsm8k = pytest.mark.skipif(not (GSM8K / "test.jsonl").is_file(), reason="../shared/data/gsm8k not present")
+needs_gsm8k = pytest.mark.skipif(
+    not (GSM8K / "test.jsonl").is_file(),
+    reason="GSM8K data not found beside the checkout (../shared/data/gsm8k; see the README's GSM8K section)",
+)
 
 
 def lowwater(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -167,7 +170,7 @@ def test_gsm8k_replay_matches_recorded_labels(tmp_path, harness, n):
 
     plugins = load(disabled=())
     if "gsm8k" not in plugins.environments:
-        pytest.skip("lowwater-gsm8k is not installed")
+        pytest.skip("lowwater-gsm8k is not installed (pip install -e plugins/lowwater-gsm8k)")
     report = trio.run(lambda: run_eval(config, plugins=plugins))
     labels = []
     with open(GSM8K / "example_model_solutions.jsonl", "rb") as f:
@@ -202,7 +205,7 @@ def test_gsm8k_in_workers_looks_tasks_up_by_id(tmp_path):
     from lowwater.plugins import load
 
     if "gsm8k" not in load(disabled=()).environments:
-        pytest.skip("lowwater-gsm8k is not installed")
+        pytest.skip("lowwater-gsm8k is not installed (pip install -e plugins/lowwater-gsm8k)")
     report = trio.run(run_eval, config)
     with open(GSM8K / "example_model_solutions.jsonl", "rb") as f:
         labels = [orjson.loads(line)[column]["is_correct"] for _, line in zip(range(n), f)]

@@ -57,11 +57,14 @@ def test_cli_score_and_a_run_without_samples(tmp_path):
     assert out.returncode == 2 and "--no-samples" in out.stderr
 
 
-@pytest.mark.skipif(not (GSM8K / "test.jsonl").is_file(), reason="../shared/data/gsm8k not present")
+@pytest.mark.skipif(
+    not (GSM8K / "test.jsonl").is_file(),
+    reason="GSM8K data not found beside the checkout (../shared/data/gsm8k; see the README's GSM8K section)",
+)
 def test_gsm8k_rescore_agrees_with_the_run(tmp_path):
     plugins = plugins_mod.load()
     if "gsm8k" not in plugins.environments:
-        pytest.skip("lowwater-gsm8k is not installed")
+        pytest.skip("lowwater-gsm8k is not installed (pip install -e plugins/lowwater-gsm8k)")
     from lowwater.upstream.spec import ModelSpec
 
     config = EvalConfig(

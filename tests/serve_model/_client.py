@@ -22,7 +22,10 @@ from lowwater.serve_model import ReplayModel, serve_model
 
 # The recorded GPT-3 solutions beside this checkout (never copied into the repo).
 SOLUTIONS = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "example_model_solutions.jsonl"
-requires_data = pytest.mark.skipif(not SOLUTIONS.exists(), reason="../shared/data/gsm8k is not beside this checkout")
+requires_data = pytest.mark.skipif(
+    not SOLUTIONS.exists(),
+    reason="GSM8K data not found beside the checkout (../shared/data/gsm8k; see the README's GSM8K section)",
+)
 PROTOCOLS = ("chat", "responses", "messages")
 PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
 

@@ -199,12 +199,15 @@ def test_api_without_a_browser(tmp_path):
 GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
 
 
-@pytest.mark.skipif(not (GSM8K / "test.jsonl").is_file(), reason="../shared/data/gsm8k not present")
+@pytest.mark.skipif(
+    not (GSM8K / "test.jsonl").is_file(),
+    reason="GSM8K data not found beside the checkout (../shared/data/gsm8k; see the README's GSM8K section)",
+)
 def test_gsm8k_transcripts_open_in_the_viewer(tmp_path, browser, view):
     from lowwater.plugins import load
 
     if "gsm8k" not in load().environments:
-        pytest.skip("lowwater-gsm8k is not installed")
+        pytest.skip("lowwater-gsm8k is not installed (pip install -e plugins/lowwater-gsm8k)")
     out = tmp_path / "g.jsonl"
     done = subprocess.run(
         [sys.executable, "-m", "lowwater", "eval", "gsm8k", "--data", str(GSM8K / "test.jsonl"), "-n", "10",
