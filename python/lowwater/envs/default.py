@@ -76,6 +76,7 @@ def make(options: dict[str, Any]) -> ArithmeticEnvironment:
     return ArithmeticEnvironment(int(options.get("seed", 0)), int(options.get("size", 64)))
 
 
+# A function attribute is how a factory declares its options (docs/plugins.md); mypy does not model those.
 make.options = {  # type: ignore[attr-defined]
     "seed": EnvOption(0, "the taskset's seed: tasks are a pure function of (seed, index)"),
     "size": EnvOption(64, "number of tasks in the taskset"),

@@ -50,6 +50,8 @@ async def serve(
     config = hypercorn_config(host, port, keep_alive_s=keep_alive_s, backlog=backlog)
 
     async def _serve(*, task_status: trio.TaskStatus[list[str]]) -> None:
+        # hypercorn types its app as a union of its own ASGI framework types, which our
+        # structural App (lowwater.http.asgi) does not name; the call is ASGI 3 all the same.
         await hypercorn_serve(app, config, task_status=task_status)  # type: ignore[arg-type]
 
     async with trio.open_nursery() as nursery:

@@ -47,7 +47,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import hypothesis.strategies as st
 import psutil
@@ -102,7 +102,10 @@ if __name__ == "__main__":
 _TEXT = st.text(alphabet=string.ascii_letters + string.digits + " .-_", max_size=12)
 
 
-def _expect(exc_type: type[BaseException] | tuple[type[BaseException], ...], fn: Callable[[], Any]) -> BaseException:
+_E = TypeVar("_E", bound=BaseException)
+
+
+def _expect(exc_type: type[_E], fn: Callable[[], Any]) -> _E:
     try:
         fn()
     except exc_type as exc:
@@ -285,7 +288,7 @@ class RuntimeConformance(RuleBasedStateMachine):
     def script_exits(self, warm: bool) -> None:
         exc = _expect(ScriptError, lambda: self.call(self.runtime.run_script, self.scripts / "exit.py", [], warm=warm))
         if warm and self.supports_warm:
-            assert exc.exc_type == "SystemExit", exc  # type: ignore[attr-defined]
+            assert exc.exc_type == "SystemExit", exc
         assert self.call(self.runtime.run_script, self.scripts / "echo.py", ["x"], warm=warm) == "x;"
 
     @precondition(lambda self: self.state == "started")

@@ -315,7 +315,8 @@ class _Reader:
 
     async def _recv(self, n: int) -> bytes:
         with trio.fail_after(self.timeout_s):
-            return await self.sock.recv(n)  # type: ignore[no-any-return]
+            data: bytes = await self.sock.recv(n)
+            return data
 
     async def _head(self) -> _Head | None:
         while b"\r\n\r\n" not in self.pending:

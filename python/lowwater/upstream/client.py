@@ -87,6 +87,8 @@ class _BufferContent:
         if buffer is None:
             return
         with memoryview(buffer) as view:
+            # httpx types request streams as bytes but only hands each chunk to a
+            # socket's send, which takes any buffer: a memoryview avoids copying the body.
             yield view  # type: ignore[misc]
 
 

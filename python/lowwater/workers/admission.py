@@ -163,11 +163,12 @@ class PoolAdmission:
 
     def worker(self, wid: int, rss: int) -> tuple[bool, bool]:
         """Feed worker ``wid``'s RSS (bytes); returns ``(held, changed)``."""
-        if self.worker_high is None:
+        high, low = self.worker_high, self.worker_low
+        if high is None or low is None:  # both or neither: __init__ fills low from high
             return False, False
         h = self._workers.get(wid)
         if h is None:
-            h = self._workers[wid] = Hysteresis(self.worker_high, self.worker_low)  # type: ignore[arg-type]
+            h = self._workers[wid] = Hysteresis(high, low)
         before = h.held
         held = h.update(rss)
         return held, held != before

@@ -117,13 +117,16 @@ def resolve(
     if trim_threshold is None:
         env = _env_int(environ, TRIM_THRESHOLD_ENV)
         trim_threshold = DEFAULT_TRIM_THRESHOLD if env is None else env
-    for name, value in (("malloc_arena_max", arena_max), ("malloc_trim_threshold", trim_threshold)):
-        if isinstance(value, str) and value != OFF:
+    return AllocatorSettings(_setting("malloc_arena_max", arena_max), _setting("malloc_trim_threshold", trim_threshold))
+
+
+def _setting(name: str, value: int | str) -> int | None:
+    """``value`` as an int, or ``None`` for ``"off"``; raises ``ValueError`` for any other string."""
+    if isinstance(value, str):
+        if value != OFF:
             raise ValueError(f"{name} must be an integer, None or {OFF!r}, not {value!r}")
-    return AllocatorSettings(
-        None if arena_max == OFF else arena_max,  # type: ignore[arg-type]
-        None if trim_threshold == OFF else trim_threshold,  # type: ignore[arg-type]
-    )
+        return None
+    return value
 
 
 @functools.cache

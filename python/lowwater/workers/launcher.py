@@ -95,8 +95,9 @@ class LeanPopen(popen_forkserver.Popen):
         finally:
             mp_context.set_spawning_popen(None)
         # _fds and util.close_fds are private; typeshed does not list them.
-        self.sentinel, w = forkserver.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
+        self.sentinel, w = forkserver.connect_to_new_process(self._fds)  # type: ignore[attr-defined]  # private, see above
         _parent_w = os.dup(w)
+        # util.close_fds is private too (see above): hence the ignore.
         self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))  # type: ignore[attr-defined]
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())

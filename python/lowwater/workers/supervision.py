@@ -180,6 +180,7 @@ class WorkerSupervision:
         ctx = multiprocessing.get_context(self.config.start_method)
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         life_r, life_w = ctx.Pipe(duplex=False)
+        # typeshed's BaseContext (what get_context returns) lacks .Process; every concrete context has it.
         kind: Any = LeanProcess if self.config.start_method == "forkserver" else ctx.Process  # type: ignore[attr-defined]
         process = kind(
             target=child_mod.main, args=(child_conn, life_r, self._child_config(w)), name=f"lowwater-worker-{w.wid}"

@@ -153,6 +153,7 @@ def make(options: dict[str, Any]) -> GSM8KEnvironment:
     return GSM8KEnvironment(Path(options["data"]))
 
 
+# A function attribute is how a factory declares its options (docs/plugins.md); mypy does not model those.
 make.options = {  # type: ignore[attr-defined]
     "data": EnvOption(None, "path of GSM8K's test.jsonl (also --data)", required=True),
 }
