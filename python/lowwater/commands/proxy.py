@@ -16,7 +16,6 @@ and then only on a loopback address.  See ``docs/interception.md``.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import sys
 from pathlib import Path
@@ -122,15 +121,6 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ProxyConfig:
     """Validate the flags.
 
@@ -139,6 +129,7 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
             non-loopback ``--listen`` with ``--no-admin-auth``; an unset
             ``--upstream-key-env`` variable.
     """
+    from lowwater.http.exposure import is_loopback
     from lowwater.interception.proxy import ProxyConfig
     from lowwater.trainer.sessions import SessionConfig
 
