@@ -9,14 +9,11 @@ use lowwater_core::{FetchBuffer as CoreBuffer, PendingShard as CorePending, Shar
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString, PyTuple};
+use pyo3::types::{PyString, PyTuple};
 
 use crate::buffer::{export, Borrowed, DETACH_BYTES};
 use crate::errors::{guarded, to_py};
-
-pub(crate) fn non_negative(name: &str, value: i64) -> PyResult<u64> {
-    u64::try_from(value).map_err(|_| PyValueError::new_err(format!("{name} must be >= 0, got {value}")))
-}
+use crate::table::table_pymethods;
 
 fn shape_repr(shape: &[usize]) -> String {
     match shape {
@@ -208,25 +205,9 @@ pub struct FetchBuffer {
     inner: CoreBuffer,
 }
 
-#[pymethods]
-impl FetchBuffer {
-    #[new]
-    #[pyo3(signature = (capacity_bytes = None, mmap_threshold = 1 << 20))]
-    fn new(capacity_bytes: Option<i64>, mmap_threshold: i64) -> PyResult<Self> {
-        let capacity = capacity_bytes.map(|c| non_negative("capacity_bytes", c)).transpose()?;
-        let threshold = non_negative("mmap_threshold", mmap_threshold)? as usize;
-        Ok(FetchBuffer { inner: CoreBuffer::new(capacity, threshold) })
-    }
-
-    #[getter]
-    fn capacity_bytes(&self) -> Option<u64> {
-        self.inner.capacity_bytes()
-    }
-
-    #[getter]
-    fn mmap_threshold(&self) -> usize {
-        self.inner.mmap_threshold()
-    }
+table_pymethods! {
+    FetchBuffer, CoreBuffer,
+    stats: [entries, bytes, peak_bytes, live_bytes, inserts, hits, misses, removals, rejected],
 
     #[pyo3(signature = (shard_id, data, *, dtype, shape, owner = ""))]
     fn put(
@@ -294,36 +275,6 @@ impl FetchBuffer {
                 }
             }
         })
-    }
-
-    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.stats();
-        let d = PyDict::new(py);
-        d.set_item("entries", s.entries)?;
-        d.set_item("bytes", s.bytes)?;
-        d.set_item("peak_bytes", s.peak_bytes)?;
-        d.set_item("live_bytes", s.live_bytes)?;
-        d.set_item("inserts", s.inserts)?;
-        d.set_item("hits", s.hits)?;
-        d.set_item("misses", s.misses)?;
-        d.set_item("removals", s.removals)?;
-        d.set_item("rejected", s.rejected)?;
-        Ok(d)
-    }
-
-    fn keys(&self) -> Vec<String> {
-        self.inner.keys().iter().map(|k| k.to_string()).collect()
-    }
-
-    fn __len__(&self) -> usize {
-        self.inner.len()
-    }
-
-    fn __contains__(&self, shard_id: &Bound<'_, PyAny>) -> bool {
-        match shard_id.cast::<PyString>() {
-            Ok(s) => s.to_str().map(|s| self.inner.contains(s)).unwrap_or(false),
-            Err(_) => false,
-        }
     }
 
     fn __repr__(&self) -> String {

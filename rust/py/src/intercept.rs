@@ -8,11 +8,10 @@ use lowwater_core::{Intercept, InterceptTable as CoreTable};
 use pyo3::exceptions::PyValueError;
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString};
 
 use crate::buffer::{export, Borrowed, DETACH_BYTES};
 use crate::errors::{guarded, to_py};
-use crate::fetch_buffer::non_negative;
+use crate::table::table_pymethods;
 
 /// Read-only zero-copy view of one intercepted request body.
 #[pyclass(frozen, module = "lowwater")]
@@ -74,25 +73,9 @@ pub struct InterceptTable {
     inner: CoreTable,
 }
 
-#[pymethods]
-impl InterceptTable {
-    #[new]
-    #[pyo3(signature = (capacity_bytes = None, mmap_threshold = 1 << 20))]
-    fn new(capacity_bytes: Option<i64>, mmap_threshold: i64) -> PyResult<Self> {
-        let capacity = capacity_bytes.map(|c| non_negative("capacity_bytes", c)).transpose()?;
-        let threshold = non_negative("mmap_threshold", mmap_threshold)? as usize;
-        Ok(InterceptTable { inner: CoreTable::new(capacity, threshold) })
-    }
-
-    #[getter]
-    fn capacity_bytes(&self) -> Option<u64> {
-        self.inner.capacity_bytes()
-    }
-
-    #[getter]
-    fn mmap_threshold(&self) -> usize {
-        self.inner.mmap_threshold()
-    }
+table_pymethods! {
+    InterceptTable, CoreTable,
+    stats: [entries, bytes, peak_bytes, live_bytes, open_rollouts, inserts, discards, swept, rejected],
 
     fn open_rollout(&self, rollout_id: &str) -> PyResult<()> {
         guarded(|| {
@@ -147,36 +130,6 @@ impl InterceptTable {
 
     fn rollout_requests(&self, rollout_id: &str) -> PyResult<Vec<String>> {
         guarded(|| Ok(self.inner.rollout_requests(rollout_id)))
-    }
-
-    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.stats();
-        let d = PyDict::new(py);
-        d.set_item("entries", s.entries)?;
-        d.set_item("bytes", s.bytes)?;
-        d.set_item("peak_bytes", s.peak_bytes)?;
-        d.set_item("live_bytes", s.live_bytes)?;
-        d.set_item("open_rollouts", s.open_rollouts)?;
-        d.set_item("inserts", s.inserts)?;
-        d.set_item("discards", s.discards)?;
-        d.set_item("swept", s.swept)?;
-        d.set_item("rejected", s.rejected)?;
-        Ok(d)
-    }
-
-    fn keys(&self) -> Vec<String> {
-        self.inner.keys().iter().map(|k| k.to_string()).collect()
-    }
-
-    fn __len__(&self) -> usize {
-        self.inner.len()
-    }
-
-    fn __contains__(&self, request_id: &Bound<'_, PyAny>) -> bool {
-        match request_id.cast::<PyString>() {
-            Ok(s) => s.to_str().map(|s| self.inner.contains(s)).unwrap_or(false),
-            Err(_) => false,
-        }
     }
 
     fn __repr__(&self) -> String {

@@ -9,6 +9,7 @@ mod buffer;
 mod errors;
 mod fetch_buffer;
 mod intercept;
+mod table;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
