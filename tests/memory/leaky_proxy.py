@@ -4,8 +4,8 @@ Usage: ``python leaky_proxy.py [lowwater proxy flags]``.  Every recorded turn
 (its request's message delta, its completion) is also appended to a
 module-level list that nothing empties, the shape of the peer leak in
 docs/design.md#incidents (a process-lifetime registry of finished
-rollouts' data).  ``lowwater proxy`` loads no plugins, so the leak is
-patched in before the command runs.
+rollouts' data).  The leak is patched in before the command runs (no
+hook sees every recorded turn, failed calls' included).
 """
 
 import sys

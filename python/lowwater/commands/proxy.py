@@ -10,12 +10,15 @@ SIGTERM (143).  The admin key comes from ``--admin-key-env`` (default
 0600, to the file the banner names (``--admin-key-file``, else
 ``$XDG_RUNTIME_DIR/lowwater/proxy-PORT.key``, else ``OUT/proxy-PORT.key``).
 ``--no-admin-auth`` (tests only) opens the admin endpoints, with a warning,
-and then only on a loopback address.  See ``docs/interception.md``.
+and then only on a loopback address.  Plugins are loaded as ``lowwater eval``
+loads them (their protocols and interceptor hooks apply to every call); the
+startup lines name the interceptors in call order.  See ``docs/interception.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -197,9 +200,22 @@ def _writable_dir(flag: str, path: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lowwater.interception.proxy import TRAJECTORIES_FILE, admin_key_file, raise_open_file_limit, serve_proxy
+    from lowwater.interception.proxy import (
+        TRAJECTORIES_FILE,
+        admin_key_file,
+        plugin_summary,
+        raise_open_file_limit,
+        serve_proxy,
+    )
+    from lowwater.plugins import PluginError, load
 
     config = config_from_args(args)
+    try:
+        # Loaded as `lowwater eval` loads them: without them a redacting
+        # interceptor applied to evals but not to calls through the proxy.
+        plugins = load()
+    except PluginError as exc:  # a LOWWATER_PLUGINS module that cannot be imported, a clash: one line
+        raise UsageError(str(exc)) from None
     raise_open_file_limit()
     if not config.admin_auth:
         print(
@@ -212,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            url = await nursery.start(serve_proxy, config)
+            url = await nursery.start(functools.partial(serve_proxy, config, plugins=plugins))
             key_file = admin_key_file(config, url)
             if key_file is not None:  # the path, never the key
                 admin = f"admin key in {key_file}"
@@ -226,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+            print(f"lowwater proxy: {plugin_summary(plugins)}", file=sys.stderr, flush=True)
             await trio.sleep_forever()
 
     try:

@@ -37,7 +37,9 @@ class Reject(Exception):
     """Raised by ``intercept_request`` to refuse a call: the agent gets
     ``status`` with ``message`` in an error body of the call's protocol
     (OpenAI's ``{"error": {...}}``, Anthropic's ``{"type": "error", ...}``).
-    Nothing is sent upstream; the call is counted as failed.
+    Nothing is sent upstream and no turn is recorded; like every call refused
+    before intake (a 400 for a malformed body) it is not counted in the
+    server's ``calls`` stats.
 
     Args:
         status: an HTTP status, 400 to 599.

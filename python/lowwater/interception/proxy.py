@@ -56,6 +56,14 @@ A wrong method is a 405, an unknown path a 404, a bad body a 400 with a
 reason.  On shutdown (cancellation) the rollouts still open are closed and
 written like a ``DELETE`` would.
 
+Plugins are loaded as ``lowwater eval`` loads them (entry points, then
+``LOWWATER_PLUGINS``; :func:`lowwater.plugins.load`): the proxy routes every
+registered protocol and awaits the interceptor hooks (``intercept_request``,
+``intercept_response``; :mod:`lowwater.interception.hooks`) on every call.
+Before this a redacting interceptor applied to ``lowwater eval`` and the
+trainer but not to calls through the proxy, which forwarded and recorded the
+unredacted text.  :func:`plugin_summary` is the startup line naming them.
+
 Stale cleanup: every ``cleanup_interval_s`` a pass removes sessions idle
 for ``session_timeout_s`` (their keys revoked and their rollouts
 unregistered first, under the store lock), dumps each to ``dump_dir`` when
@@ -78,6 +86,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from lowwater import plugins as plugins_mod
 from lowwater.interception.admin import Admin
 from lowwater.interception.server import DEFAULT_MAX_BODY_BYTES, InterceptionServer
 from lowwater.jsonl import write_atomic
@@ -131,8 +140,16 @@ class ProxyConfig:
     sessions: SessionConfig | None = None
 
 
-async def serve_proxy(config: ProxyConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+async def serve_proxy(
+    config: ProxyConfig,
+    *,
+    plugins: plugins_mod.Plugins | None = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """Run the proxy until cancelled; ``task_status.started`` gets its root URL (``http://HOST:PORT``).
+
+    ``plugins`` (a :class:`lowwater.plugins.Plugins`; ``None``: :func:`lowwater.plugins.load`)
+    gives the protocols routed and the interceptor hooks awaited on every call.
 
     On the way out (cancellation included) the rollouts still open are
     closed and written, shielded, for at most :data:`SHUTDOWN_WRITE_S`.
@@ -144,7 +161,12 @@ async def serve_proxy(config: ProxyConfig, *, task_status: trio.TaskStatus[str] 
     Raises:
         OSError: the address cannot be bound, or the key file cannot be
             written (``filename`` set; inside Trio's exception groups).
+        lowwater.plugins.PluginError: ``plugins`` is ``None`` and loading
+            them failed (a ``LOWWATER_PLUGINS`` module that cannot be
+            imported, a clash).
     """
+    if plugins is None:
+        plugins = plugins_mod.load()
     admin_key = config.admin_key
     generated = admin_key is None and config.admin_auth
     if generated:
@@ -164,8 +186,12 @@ async def serve_proxy(config: ProxyConfig, *, task_status: trio.TaskStatus[str] 
         retries=config.retries,
     ) as client:
         server = InterceptionServer(
-            client, max_body_bytes=config.max_body_bytes, request_logprobs=config.request_logprobs
+            client,
+            protocols=list(plugins.protocols.values()) or None,
+            max_body_bytes=config.max_body_bytes,
+            request_logprobs=config.request_logprobs,
         )
+        server.interceptors = plugins.interceptors()
         admin = Admin(server, config.out_dir / TRAJECTORIES_FILE, admin_key, config.sessions)
         server.mount("/lowwater/", admin)
         try:
@@ -190,6 +216,29 @@ async def serve_proxy(config: ProxyConfig, *, task_status: trio.TaskStatus[str] 
             admin.close_file()
             if key_file is not None:
                 key_file.unlink(missing_ok=True)
+
+
+def plugin_summary(plugins: plugins_mod.Plugins) -> str:
+    """What the plugins change about the proxy, for its startup line: the
+    protocols routed and each interceptor hook's plugins in call order
+    (plugin names only; nothing of their configuration).
+
+    ``"protocols openai.chat, ...; interceptors in call order: intercept_request: a, b;
+    intercept_response: b"``, or ``"protocols ...; no interceptors"``.
+    """
+    protocols = ", ".join(plugins.protocols) or "none"
+    interceptors = plugins.interceptors()
+    if interceptors is None:
+        return f"protocols {protocols}; no interceptors"
+    hooks = [
+        f"{hook}: {', '.join(name for name, _fn, _args in impls)}"
+        for hook, impls in (
+            ("intercept_request", interceptors.requests),
+            ("intercept_response", interceptors.responses),
+        )
+        if impls
+    ]
+    return f"protocols {protocols}; interceptors in call order: {'; '.join(hooks)}"
 
 
 def admin_key_file(config: ProxyConfig, url: str, environ: Mapping[str, str] | None = None) -> Path | None:
