@@ -5,7 +5,10 @@ A :class:`Trajectory` is the record of one rollout's model calls.  Each
 agent added since the previous call), never a fresh copy of the whole
 history: a 45-turn multimodal rollout whose every turn kept its full prompt
 held every base64 image 45 times over (docs/design.md#incidents, the env-worker
-incident).
+incident).  Likewise the tool definitions an agent offers, which it resends
+unchanged on every call: a turn holds a reference to the list an earlier
+turn of the trajectory recorded when they are equal (:meth:`Trajectory.intern_tools`),
+and the JSON forms write them once per change (:func:`turns_to_json`).
 
 The :class:`TrajectoryRegistry` is the one place trajectories live while a
 rollout runs.  Its owner is the rollout engine; its eviction points are
@@ -15,10 +18,15 @@ group reward can still read every member after the members' own cleanup).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import attrs
+
+#: How many distinct tool lists a trajectory remembers for :meth:`Trajectory.intern_tools`
+#: (most recent first): an agent that switches between a few tool sets (a planner and an
+#: executor sharing a rollout) still holds each set once.
+TOOL_LISTS_REMEMBERED = 4
 
 
 @attrs.define(eq=False, slots=True)
@@ -49,6 +57,12 @@ class Turn:
         duration_s: time from request received to response recorded (seconds).
         streamed: whether the agent asked for an SSE stream.
         error: ``None``, or why the call failed (e.g. the upstream stream was cut).
+        tools: the tool definitions the agent offered on the call, as its
+            protocol writes them (:meth:`lowwater.interception.Protocol.tools`:
+            ``tools`` of an OpenAI chat or responses request, or of an
+            Anthropic messages request); ``None`` when it offered none.  The
+            same list object as an earlier turn's when they are equal
+            (:meth:`Trajectory.intern_tools`): never copied per turn.
     """
 
     index: int
@@ -65,10 +79,53 @@ class Turn:
     streamed: bool = False
     error: str | None = None
     request_delta_start: int = 0
+    tools: list[Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """A plain dict for JSON output (orjson-serialisable)."""
+        """A plain dict for JSON output (orjson-serialisable), ``tools`` in full
+        (:func:`turns_to_json` writes a trajectory's tools once per change)."""
         return attrs.asdict(self, recurse=False)
+
+
+def turns_to_json(turns: Iterable[Turn]) -> list[dict[str, Any]]:
+    """The turns as plain dicts, each turn's tools written once per change.
+
+    A turn's dict has ``tools`` (the list, or ``None`` when it offered none)
+    when its tools differ from the previous turn's, and ``"tools_same": true``
+    instead when it offered the same, non-empty tools again: agents resend
+    their tools on every call, and a line with them on each of 45 turns held
+    45 copies.  :func:`turns_from_json` reverses it.
+    """
+    out = []
+    previous: list[Any] | None = None
+    for turn in turns:
+        entry = turn.to_json()
+        tools = entry.pop("tools")
+        if tools is not None and (tools is previous or tools == previous):
+            entry["tools_same"] = True
+        else:
+            entry["tools"] = tools
+        previous = tools
+        out.append(entry)
+    return out
+
+
+def turns_from_json(entries: Iterable[dict[str, Any]]) -> list[Turn]:
+    """Turns from :func:`turns_to_json`'s dicts (a samples file's or a proxy
+    line's ``turns``): keys :class:`Turn` does not have are ignored, and a
+    ``tools_same`` turn gets the previous turn's list (the same object).
+
+    Raises:
+        TypeError: an entry lacks a required field of :class:`Turn`.
+    """
+    fields = {f.name for f in attrs.fields(Turn)}
+    turns: list[Turn] = []
+    for entry in entries:
+        turn = Turn(**{k: v for k, v in entry.items() if k in fields})
+        if entry.get("tools_same") and turns:
+            turn.tools = turns[-1].tools
+        turns.append(turn)
+    return turns
 
 
 @attrs.define(eq=False, slots=True)
@@ -90,6 +147,9 @@ class Trajectory:
     # turns' deltas already hold (a pointer per message, no copy): the check
     # that a new request appended to it rather than rewrote it.
     _history: list[Any] = attrs.field(factory=list, init=False, repr=False)
+    # The distinct tool lists offered so far, most recent first (references to
+    # the lists the turns hold, at most TOOL_LISTS_REMEMBERED).
+    _tool_lists: list[list[Any]] = attrs.field(factory=list, init=False, repr=False)
 
     def message_delta(self, messages: list[Any]) -> tuple[int, list[Any]]:
         """``(start, delta)``: the part of ``messages`` that earlier turns have
@@ -120,15 +180,38 @@ class Trajectory:
         delta starts there if the agent appends to its history."""
         return len(self._history)
 
+    def intern_tools(self, tools: Any) -> list[Any] | None:
+        """The tool list to record for a call that offered ``tools``.
+
+        ``None`` for no tools (``None``, an empty list, or anything not a
+        list); otherwise an equal list an earlier turn recorded (the same
+        object: agents resend the same tools on every call, and a turn each
+        kept a copy of them), or ``tools`` itself, remembered for later
+        calls.  Compares with ``==`` on parsed JSON against at most
+        :data:`TOOL_LISTS_REMEMBERED` lists.
+        """
+        if not isinstance(tools, list) or not tools:
+            return None
+        seen = self._tool_lists
+        for i, known in enumerate(seen):
+            if known is tools or known == tools:
+                if i:
+                    seen.insert(0, seen.pop(i))
+                return known
+        seen.insert(0, tools)
+        del seen[TOOL_LISTS_REMEMBERED:]
+        return tools
+
     def add_turn(self, turn: Turn) -> None:
         self.turns.append(turn)
 
     def to_json(self) -> dict[str, Any]:
+        """``rollout_id``, ``task_id``, ``group_id`` and ``turns`` (:func:`turns_to_json`)."""
         return {
             "rollout_id": self.rollout_id,
             "task_id": self.task_id,
             "group_id": self.group_id,
-            "turns": [t.to_json() for t in self.turns],
+            "turns": turns_to_json(self.turns),
         }
 
 

@@ -2,7 +2,8 @@
 
 A :class:`Protocol` knows one endpoint's wire format.  It validates a
 request (:class:`~lowwater.http.HTTPError` 400 with a reason), names the
-messages a turn's delta is computed from, optionally rewrites the body sent
+messages a turn's delta is computed from and the tools the agent offered
+(:meth:`Protocol.tools`; none by default), optionally rewrites the body sent
 upstream (model override, logprob capture), and turns an upstream answer,
 whole or streamed, into what the turn records: completion, finish reason,
 usage, token ids and logprobs.  It also knows its error shapes, so the
@@ -98,6 +99,18 @@ class Protocol:
             HTTPError: 400 naming the missing or mistyped field.
         """
         raise NotImplementedError
+
+    def tools(self, body: Json) -> list[Any] | None:
+        """The tool definitions offered in a parsed request (the body :meth:`parse`
+        accepted), as the request writes them; ``None`` when it offers none
+        (the default: a protocol without tools).
+
+        The turn records them (:attr:`lowwater.trajectory.Turn.tools`; a list
+        equal to an earlier turn's is stored once).  Return references into
+        ``body``, not copies, and never raise: whatever is not a list of
+        tools is ``None`` (the upstream judges the request, not this).
+        """
+        return None
 
     def upstream_body(self, body: Json, *, model: str | None, logprobs: bool) -> Json | None:
         """The body to forward, or ``None`` to forward the agent's raw bytes unchanged.
@@ -204,6 +217,11 @@ def _dict(value: Any) -> Json:
     return value if isinstance(value, dict) else {}
 
 
+def _tool_list(value: Any) -> list[Any] | None:
+    """``value`` if it is a non-empty list (the ``tools`` of a request), else ``None``."""
+    return value if isinstance(value, list) and value else None
+
+
 def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
@@ -244,6 +262,14 @@ class OpenAIChat(Protocol):
     def parse(self, body: Any) -> Request:
         body = _object(body)
         return Request(_string(body, "model"), _stream_flag(body), _messages(body, _CHAT_ROLES))
+
+    def tools(self, body: Json) -> list[Any] | None:
+        """``tools``; failing that the deprecated ``functions``, each as the
+        ``{"type": "function", "function": ...}`` entry ``tools`` would hold."""
+        tools = _tool_list(body.get("tools"))
+        if tools is None and (functions := _tool_list(body.get("functions"))) is not None:
+            tools = [{"type": "function", "function": f} for f in functions]
+        return tools
 
     def upstream_body(self, body: Json, *, model: str | None, logprobs: bool) -> Json | None:
         out = super().upstream_body(body, model=model, logprobs=logprobs)
@@ -348,6 +374,10 @@ class OpenAIResponses(Protocol):
             raise _bad("field 'input' must be a string or a non-empty list of input items")
         return Request(model, _stream_flag(body), messages)
 
+    def tools(self, body: Json) -> list[Any] | None:
+        """``tools`` (function tools and built-in ones such as ``web_search``)."""
+        return _tool_list(body.get("tools"))
+
     def upstream_body(self, body: Json, *, model: str | None, logprobs: bool) -> Json | None:
         out = super().upstream_body(body, model=model, logprobs=logprobs)
         include = body.get("include")
@@ -414,6 +444,10 @@ class AnthropicMessages(Protocol):
         if system is not None and not isinstance(system, (str, list)):
             raise _bad("field 'system' must be a string or a list of text blocks")
         return Request(model, _stream_flag(body), _messages(body, ("user", "assistant")))
+
+    def tools(self, body: Json) -> list[Any] | None:
+        """``tools`` (client tools with ``input_schema``, and server tools)."""
+        return _tool_list(body.get("tools"))
 
     def completion(self, answer: Any) -> Completion:
         answer = _dict(answer)

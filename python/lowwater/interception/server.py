@@ -10,7 +10,8 @@ recorded), and discard the intercept in ``finally``.  A peer kept every
 intercepted body (the full history with base64 images) until its rollout
 ended and ran out of memory within a few training steps (docs/design.md#incidents).  Here the agent's bytes live once, in the table: the upstream
 request is sent from a zero-copy view of the table entry, and of the parsed
-body only the turn's message delta outlives the parse.
+body only the turn's message delta and the tools offered (one list per
+distinct set in a trajectory) outlive the parse.
 
 :meth:`InterceptionServer.unregister` sweeps a rollout's undelivered
 intercepts and cancels every handler still serving it: a handler that has
@@ -388,7 +389,7 @@ class InterceptionServer:
         for name, value in headers.items():
             if not value.isascii():  # httpx sends ASCII header values only: this was a bare 500
                 raise HTTPError(400, f"header {name} must be ASCII")
-        return _Call(
+        call = _Call(
             f"{self._id_prefix}-{next(self._ids)}",
             protocol,
             slot,
@@ -398,6 +399,9 @@ class InterceptionServer:
             forward,
             headers,
         )
+        if isinstance(payload, dict):
+            call.tools = protocol.tools(payload)
+        return call
 
     def _insert(self, call: _Call, body: bytes | bytearray) -> None:
         self.calls["total"] += 1
@@ -421,6 +425,8 @@ class InterceptionServer:
         # the history earlier turns recorded, base64 images included).
         call.delta_start, call.delta = slot.trajectory.message_delta(call.messages)
         call.messages = []
+        # An equal list an earlier turn holds replaces this call's copy (freed with the body).
+        call.tools = slot.trajectory.intern_tools(call.tools)
         scope = trio.CancelScope()
         slot.handlers.add(scope)
         if slot.closed:  # unregistered while the body was read (and re-registered since)
@@ -514,6 +520,7 @@ class InterceptionServer:
                 duration_s=time.perf_counter() - call.started_s,
                 streamed=call.stream,
                 error=error,
+                tools=call.tools,
             )
         )
 
@@ -631,6 +638,7 @@ class _Call:
         "headers",
         "delta",
         "delta_start",
+        "tools",
         "started_s",
         "wall_s",
         "started",
@@ -663,6 +671,7 @@ class _Call:
         self.headers = headers
         self.delta: list[Any] = []
         self.delta_start = 0
+        self.tools: list[Any] | None = None
         self.started_s = time.perf_counter()
         self.wall_s = time.time()
         self.started = False  # response headers sent
