@@ -93,8 +93,9 @@ def turns_to_json(turns: Iterable[Turn]) -> list[dict[str, Any]]:
     A turn's dict has ``tools`` (the list, or ``None`` when it offered none)
     when its tools differ from the previous turn's, and ``"tools_same": true``
     instead when it offered the same, non-empty tools again: agents resend
-    their tools on every call, and a line with them on each of 45 turns held
-    45 copies.  :func:`turns_from_json` reverses it.
+    their tools on every call, so writing them on every turn would put a
+    45-turn rollout's tool list 45 times into its line (and into the memory
+    of encoding it).  :func:`turns_from_json` reverses it.
     """
     out = []
     previous: list[Any] | None = None

@@ -96,6 +96,18 @@ def test_a_real_run_in_the_browser(tmp_path, browser, view):
     panel = browser.find_element(By.ID, "transcript")
     assert browser.find_element(By.ID, "transcript-prompt").text.strip()
     assert "calculator" in panel.text and "TOOL" in panel.text and "reward 1" in panel.text
+    # the tools offered: one folded block per turn, the first naming them, the
+    # others "same as turn 1"; the definitions appear when a block is opened
+    blocks = panel.find_elements(By.CSS_SELECTOR, ".turn details.tools")
+    assert len(blocks) == len(panel.find_elements(By.CSS_SELECTOR, ".turn")) >= 2
+    summaries = [b.find_element(By.TAG_NAME, "summary").text for b in blocks]
+    assert summaries[0] == "tools offered (1): calculator", summaries
+    assert all(s == "tools offered (1) · same as turn 1: calculator" for s in summaries[1:]), summaries
+    definition = blocks[1].find_element(By.TAG_NAME, "pre")
+    assert not definition.is_displayed()
+    blocks[1].find_element(By.TAG_NAME, "summary").click()
+    wait(browser, lambda d: definition.is_displayed() and '"expression"' in definition.text)
+    blocks[1].find_element(By.TAG_NAME, "summary").click()  # folded again for the screenshot
     png = browser.get_screenshot_as_png()
     (tmp_path / "viewer.png").write_bytes(png)
     if os.environ.get("LOWWATER_VIEWER_SCREENSHOT"):  # to look at it: a path to copy it to

@@ -31,7 +31,7 @@ from lowwater.eval.results import SUMMARY_TYPE, ResultsFileError, ResultsWriter,
 from lowwater.eval.samples import index, read_sample
 from lowwater.memory import MemoryRecord
 from lowwater.rollout import Group, Rollout, RolloutError, classify
-from lowwater.trajectory import Trajectory, TrajectoryRegistry, Turn
+from lowwater.trajectory import Trajectory, TrajectoryRegistry, turns_from_json
 
 
 @attrs.define
@@ -69,9 +69,9 @@ def _rollout(sample: dict[str, Any], task: Task) -> Rollout:
         state=dict(sample.get("state") or {}),
     )
     trajectory = Trajectory(rollout.rollout_id, task.id, rollout.group_id)
-    fields = {f.name for f in attrs.fields(Turn)}
-    for turn in sample.get("turns") or ():
-        trajectory.add_turn(Turn(**{k: v for k, v in turn.items() if k in fields}))
+    # The file writes a rollout's tools once per change: each turn gets its own back.
+    for turn in turns_from_json(sample.get("turns") or ()):
+        trajectory.add_turn(turn)
     rollout.trajectory = trajectory
     rollout.turn_count = len(trajectory.turns)
     return rollout

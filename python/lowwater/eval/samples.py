@@ -26,6 +26,7 @@ import trio
 
 from lowwater.eval.results import ResultsFileError
 from lowwater.jsonl import LineFile, LineWriteError
+from lowwater.trajectory import turns_to_json
 
 SAMPLES_TYPE = "lowwater.eval.samples"
 
@@ -52,8 +53,10 @@ def transcript(rollout: Any) -> dict[str, Any]:
     (``prompt``, ``answer``, ``metadata``), ``state`` (what the harness left
     for the rubric: :command:`lowwater score` re-scores from it), ``turns``
     (each turn's message delta, completion with tool calls, usage, token ids
-    and logprobs when captured, timing, error), ``reward``, ``metrics``,
-    ``error``, ``timing``.
+    and logprobs when captured, timing, error, and the tools offered: ``tools``
+    when they changed since the previous turn, ``tools_same`` when they did
+    not, see :func:`lowwater.trajectory.turns_to_json`), ``reward``,
+    ``metrics``, ``error``, ``timing``.
     """
     task = rollout.task
     trajectory = rollout.trajectory
@@ -64,7 +67,7 @@ def transcript(rollout: Any) -> dict[str, Any]:
         "attempt": rollout.attempt,
         "task": {"prompt": task.prompt, "answer": task.answer, "metadata": _jsonable(dict(task.metadata))},
         "state": {k: _jsonable(v) for k, v in rollout.state.items()},
-        "turns": [] if trajectory is None else [_turn(t) for t in trajectory.turns],
+        "turns": [] if trajectory is None else [_turn(t) for t in turns_to_json(trajectory.turns)],
         "reward": rollout.reward,
         "metrics": _jsonable(rollout.metrics),
         "error": None if rollout.error is None else rollout.error.to_json(),
@@ -72,8 +75,7 @@ def transcript(rollout: Any) -> dict[str, Any]:
     }
 
 
-def _turn(turn: Any) -> dict[str, Any]:
-    out: dict[str, Any] = turn.to_json()
+def _turn(out: dict[str, Any]) -> dict[str, Any]:
     out["completion"] = _jsonable(out.get("completion"))
     return out
 

@@ -229,6 +229,26 @@ function message(m) {
   return box;
 }
 
+function toolName(t) {
+  if (!t || typeof t !== "object") return String(t);
+  return (t.function && t.function.name) || t.name || t.type || "tool";
+}
+
+// The tools a turn offered, folded: samples files write them once per change
+// ("tools_same" on a turn that offered the previous turn's), and the JSON is
+// put into the page only when the block is opened (a long run of turns with
+// a large tool list would otherwise hold it once per turn).
+function toolsBlock(tools, sameAs) {
+  const names = tools.map(toolName).join(", ");
+  const label = `tools offered (${tools.length})` + (sameAs === null ? "" : ` · same as turn ${sameAs + 1}`) + `: ${names}`;
+  const body = el("pre", { class: "mono" });
+  const block = el("details", { class: "tools" }, el("summary", {}, label), body);
+  block.addEventListener("toggle", () => {
+    if (block.open && !body.textContent) body.textContent = JSON.stringify(tools, null, 2);
+  });
+  return block;
+}
+
 function completion(c) {
   if (Array.isArray(c)) return c.map((item) => (item && item.type === "tool_use" ? el("div", { class: "msg assistant" }, toolCall(item)) : message(item && item.role ? item : { role: "assistant", content: [item] })));
   return [message(c && typeof c === "object" && !c.role ? { role: "assistant", ...c } : c)];
@@ -247,10 +267,13 @@ function showTranscript(s) {
         Object.entries(s.timing || {}).map(([k, v]) => `${k.replace(/_s$/, "")} ${fmt(v, 3)} s`).join(" · ")))),
     el("h3", {}, "Prompt"), el("pre", { id: "transcript-prompt" }, s.task ? s.task.prompt : ""),
   ];
+  let tools = null, toolsFrom = null;
   (s.turns || []).forEach((turn, i) => {
+    if (!turn.tools_same) { tools = Array.isArray(turn.tools) && turn.tools.length ? turn.tools : null; toolsFrom = i; }
     const box = el("div", { class: "turn" },
       el("h3", {}, `turn ${i + 1} · ${turn.protocol} · ${fmt(turn.duration_s, 3)} s` +
         (turn.usage ? ` · usage ${JSON.stringify(turn.usage)}` : "") + (turn.finish_reason ? ` · ${turn.finish_reason}` : "")));
+    if (tools) box.append(toolsBlock(tools, turn.tools_same ? toolsFrom : null));
     if (turn.request_delta_start) box.append(el("div", { class: "note" }, `(${turn.request_delta_start} earlier messages not repeated)`));
     for (const m of turn.request_delta || []) box.append(message(m));
     box.append(...completion(turn.completion));
