@@ -32,7 +32,12 @@ from lowwater.workers.contract import JobSpec, PoolReport, TaskInfo
 #: replaces it with its own store's URL.
 NODE_STORE_URL = "lowwater-node-store:"
 
+#: A task pool's row callback: ``await on_rows(rows, info)`` once per finished task.
 OnRows = Callable[[list[dict[str, Any]], TaskInfo], Awaitable[None]]
+#: A pool's event callback: ``on_event(kind, fields)`` (worker started, retired, ...).
+OnEvent = Callable[[str, dict[str, Any]], None]
+#: A pool's pin key of a task id (``None``: not pinned); see :class:`~lowwater.workers.WorkerPool`.
+PinBy = Callable[[Any], Hashable | None]
 
 
 class TaskPool(Protocol):
@@ -89,12 +94,7 @@ class WorkerBackend(abc.ABC):
 
     @abc.abstractmethod
     def pool(
-        self,
-        spec: JobSpec,
-        config: PoolConfig,
-        *,
-        on_event: Callable[[str, dict[str, Any]], None] | None = None,
-        pin_by: Callable[[Any], Hashable | None] | None = None,
+        self, spec: JobSpec, config: PoolConfig, *, on_event: OnEvent | None = None, pin_by: PinBy | None = None
     ) -> TaskPool:
         """A task pool for ``spec``; ``config.workers`` is per node for a
         multi-node backend.  Nothing starts before ``run``.
@@ -114,12 +114,7 @@ class LocalBackend(WorkerBackend):
     name = "local"
 
     def pool(
-        self,
-        spec: JobSpec,
-        config: PoolConfig,
-        *,
-        on_event: Callable[[str, dict[str, Any]], None] | None = None,
-        pin_by: Callable[[Any], Hashable | None] | None = None,
+        self, spec: JobSpec, config: PoolConfig, *, on_event: OnEvent | None = None, pin_by: PinBy | None = None
     ) -> TaskPool:
         from lowwater.workers.pool import WorkerPool
 
@@ -138,4 +133,14 @@ def open_backend(plugins: Any, name: str, options: BackendOptions | None = None)
     return backend
 
 
-__all__ = ["NODE_STORE_URL", "BackendOptions", "LocalBackend", "TaskPool", "WorkerBackend", "open_backend"]
+__all__ = [
+    "NODE_STORE_URL",
+    "BackendOptions",
+    "LocalBackend",
+    "OnEvent",
+    "OnRows",
+    "PinBy",
+    "TaskPool",
+    "WorkerBackend",
+    "open_backend",
+]

@@ -46,16 +46,14 @@ import trio
 
 from lowwater.workers import allocator as allocator_mod
 from lowwater.workers.admission import MIB, PoolAdmission, memory_limit_bytes
+from lowwater.workers.backend import OnEvent, OnRows, PinBy
 from lowwater.workers.config import PoolConfig
 from lowwater.workers.contract import (
     JobSpec,
-    PoolConfigError,
     PoolReport,
     TaskInfo,
-    WorkerJob,
-    WorkerStartError,
 )
-from lowwater.workers.launcher import LEAN_PRELOAD, check_python, configure_forkserver
+from lowwater.workers.launcher import check_python, configure_forkserver
 from lowwater.workers.protocol import encode
 from lowwater.workers.record import WorkerRecord, WorkerState
 from lowwater.workers.stream import TaskAttempt
@@ -94,8 +92,8 @@ class WorkerPool(WorkerSupervision):
         spec: JobSpec,
         config: PoolConfig | None = None,
         *,
-        on_event: Callable[[str, dict[str, Any]], None] | None = None,
-        pin_by: Callable[[Any], Hashable | None] | None = None,
+        on_event: OnEvent | None = None,
+        pin_by: PinBy | None = None,
         **kwargs: Any,
     ) -> None:
         if config is None:
@@ -132,7 +130,7 @@ class WorkerPool(WorkerSupervision):
     async def run(
         self,
         task_ids: Iterable[Any] | AsyncIterable[Any],
-        on_rows: Callable[[list[dict[str, Any]], TaskInfo], Awaitable[None]],
+        on_rows: OnRows,
     ) -> PoolReport:
         """Run every task of ``task_ids`` once and hand its rows to ``on_rows``.
 
@@ -614,15 +612,4 @@ class _Feeder:
                 self._notify()
 
 
-__all__ = [
-    "LEAN_PRELOAD",
-    "JobSpec",
-    "PoolConfig",
-    "PoolConfigError",
-    "PoolReport",
-    "TaskInfo",
-    "WorkerJob",
-    "WorkerPool",
-    "WorkerStartError",
-    "configure_forkserver",
-]
+__all__ = ["WorkerPool"]

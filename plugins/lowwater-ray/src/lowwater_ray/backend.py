@@ -34,7 +34,7 @@ import attrs
 import trio
 
 from lowwater.workers import JobSpec, PoolConfig, PoolReport, TaskInfo
-from lowwater.workers.backend import BackendOptions, OnRows, TaskPool, WorkerBackend
+from lowwater.workers.backend import BackendOptions, OnEvent, OnRows, PinBy, TaskPool, WorkerBackend
 from lowwater.workers.stream import TaskAttempt
 
 log = logging.getLogger("lowwater.ray")
@@ -108,12 +108,7 @@ class RayBackend(WorkerBackend):
     node_stores = True
 
     def pool(
-        self,
-        spec: JobSpec,
-        config: PoolConfig,
-        *,
-        on_event: Callable[[str, dict[str, Any]], None] | None = None,
-        pin_by: Callable[[Any], Hashable | None] | None = None,
+        self, spec: JobSpec, config: PoolConfig, *, on_event: OnEvent | None = None, pin_by: PinBy | None = None
     ) -> TaskPool:
         return RayTaskPool(self.options, spec, config, on_event=on_event, pin_by=pin_by)
 
@@ -150,8 +145,8 @@ class RayTaskPool:
         spec: JobSpec,
         config: PoolConfig,
         *,
-        on_event: Callable[[str, dict[str, Any]], None] | None = None,
-        pin_by: Callable[[Any], Hashable | None] | None = None,
+        on_event: OnEvent | None = None,
+        pin_by: PinBy | None = None,
     ) -> None:
         self.options = options
         self.spec = spec

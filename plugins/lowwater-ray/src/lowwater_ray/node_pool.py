@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any
 
 import attrs
@@ -35,7 +35,7 @@ import trio
 
 from lowwater.trainer.shards import ShardStore
 from lowwater.workers import JobSpec, PoolConfig, WorkerPool
-from lowwater.workers.backend import NODE_STORE_URL
+from lowwater.workers.backend import NODE_STORE_URL, PinBy
 from lowwater.workers.stream import TaskAttempt, TaskStream
 
 log = logging.getLogger("lowwater.ray")
@@ -68,7 +68,7 @@ class NodePool:
         pin_by: as :class:`~lowwater.workers.WorkerPool`'s.
     """
 
-    def __init__(self, spec: JobSpec, config: PoolConfig, pin_by: Callable[[Any], Hashable | None] | None) -> None:
+    def __init__(self, spec: JobSpec, config: PoolConfig, pin_by: PinBy | None) -> None:
         self._spec = spec
         self._config = config
         self._pin_by = pin_by
