@@ -5,15 +5,19 @@ name its tools records none."""
 
 from __future__ import annotations
 
+import orjson
 import pytest
+import trio
 
 from lowwater.hookspecs import hookimpl
 from lowwater.interception import Protocol
 from lowwater.interception.protocols import OpenAIChat
 from lowwater.plugins import load
+from lowwater.trainer.sessions import SessionConfig
 from lowwater.trajectory import TOOL_LISTS_REMEMBERED, Trajectory, turns_from_json, turns_to_json
 
 from ._harness import KINDS, body, read_sse, run
+from .test_proxy_sessions import _with_proxy
 
 
 def tool(kind: str, name: str) -> dict:
@@ -154,3 +158,28 @@ def test_a_turn_copied_elsewhere_still_compares_by_value():
     ]
     compact = turns_to_json(turns_from_json(lines))
     assert compact[0]["tools"] == [{"name": "a"}] and compact[1].get("tools_same") and "tools" not in compact[1]
+
+
+def test_lowwater_proxy_writes_and_exports_the_tools(tmp_path):
+    """Trainer-facing: the proxy's trajectory line writes them once per change,
+    and each exported session record carries its call's tools."""
+    tools = [tool("chat", "search")]
+
+    async def fn(url, http):
+        opened = (await http.post(f"{url}/lowwater/rollouts", json={"rollout_id": "s1", "group_id": "g"})).json()
+        for _ in range(2):
+            r = await http.post(
+                opened["base_url"] + "/chat/completions",
+                json=body("chat", "go", tools=tools),
+                headers={"authorization": f"Bearer {opened['api_key']}"},
+            )
+            assert r.status_code == 200
+        assert (await http.post(f"{url}/lowwater/sessions/s1/reward", json={"reward": 1.0})).status_code == 200
+        assert (await http.delete(f"{url}/lowwater/rollouts/s1")).status_code == 200
+        records = (await http.post(f"{url}/lowwater/export", json={"session_ids": ["s1"]})).json()["records"]
+        assert [rec["tools"] for rec in records] == [tools, tools]
+
+    trio.run(_with_proxy, tmp_path, fn, SessionConfig())
+    (line,) = (tmp_path / "trajectories.jsonl").read_bytes().splitlines()
+    first, second = orjson.loads(line)["turns"]
+    assert first["tools"] == tools and second["tools_same"] is True and "tools" not in second

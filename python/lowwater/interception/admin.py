@@ -303,6 +303,7 @@ class Admin:
                     response=turn.completion,
                     token_ids=turn.token_ids,
                     logprobs=turn.logprobs,
+                    tools=turn.tools,
                 ),
             )
         except SessionError:

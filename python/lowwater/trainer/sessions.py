@@ -88,6 +88,8 @@ class Interaction:
         token_ids: completion token ids when the upstream returned them.
         logprobs: per-token log-probabilities (same length as ``token_ids``).
         created_s: store-clock time of the call (seconds).
+        tools: the tool definitions the agent offered on the call (``None``:
+            none); the turn's list, shared by every call that offered the same.
     """
 
     request: Any
@@ -95,6 +97,7 @@ class Interaction:
     token_ids: list[int] | None = None
     logprobs: list[float] | None = None
     created_s: float = 0.0
+    tools: list[Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
