@@ -94,6 +94,29 @@ impl Drop for Payload {
     }
 }
 
+/// Size of a transparent huge page on x86-64 and arm64 with 4 KiB pages
+/// (bytes): payloads at least this large are mapped with `MADV_HUGEPAGE`.
+pub const HUGE_PAGE_BYTES: usize = 2 << 20;
+
+/// An anonymous mapping of `len` bytes advised to use transparent huge pages,
+/// or `None` when `len` is under [`HUGE_PAGE_BYTES`], the platform has no
+/// such advice, or the kernel refuses it (built without THP).
+fn huge_mapping(len: usize) -> Option<memmap2::MmapMut> {
+    if len < HUGE_PAGE_BYTES {
+        return None;
+    }
+    #[cfg(target_os = "linux")]
+    {
+        let map = memmap2::MmapOptions::new().len(len).map_anon().ok()?;
+        map.advise(memmap2::Advice::HugePage).ok()?;
+        Some(map)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        None
+    }
+}
+
 enum StorageMut {
     Heap(Box<[u8]>),
     Mapped(memmap2::MmapMut),
@@ -110,21 +133,28 @@ pub struct PayloadMut {
 
 impl PayloadMut {
     /// A zero-filled payload of `len` bytes; at or above `mmap_threshold`
-    /// bytes a fresh anonymous mapping, populated up front (`MAP_POPULATE`):
-    /// the pages are about to be written whole, and faulting them in one call
-    /// took a third of the time of 16 384 separate page faults for 64 MiB
-    /// (60 ms against 173 ms on the 2-core VM the benches run on).
+    /// bytes a fresh anonymous mapping.
+    ///
+    /// The pages are about to be written whole (a shard received in place),
+    /// and faulting in fresh pages, not copying, is what bounds the receive:
+    /// * from [`HUGE_PAGE_BYTES`] up the mapping asks for transparent huge
+    ///   pages (`MADV_HUGEPAGE`) and is faulted by the receive itself: 32
+    ///   faults for 64 MiB instead of 16 384.  On the 2-core VM the benches
+    ///   run on a 64 MiB loopback receive took 47–61 ms this way against
+    ///   68–120 ms populated with 4 KiB pages (`benches/ray_backend.py`'s
+    ///   HTTP fetch; a host's first huge-page fault may also compact memory
+    ///   once).  Where the kernel refuses the advice it falls back to:
+    /// * `MAP_POPULATE`: the pages faulted in one call, a third of the time of
+    ///   16 384 separate faults for 64 MiB (60 ms against 173 ms, same VM).
     ///
     /// Errors: [`TableError::Alloc`] when the memory cannot be had.
     pub fn zeroed(len: usize, mmap_threshold: usize, live: &Arc<LiveBytes>) -> Result<Self, TableError> {
+        let alloc = |e: std::io::Error| TableError::Alloc { bytes: len, reason: e.to_string() };
         let storage = if len != 0 && len >= mmap_threshold {
-            StorageMut::Mapped(
-                memmap2::MmapOptions::new()
-                    .len(len)
-                    .populate()
-                    .map_anon()
-                    .map_err(|e| TableError::Alloc { bytes: len, reason: e.to_string() })?,
-            )
+            StorageMut::Mapped(match huge_mapping(len) {
+                Some(map) => map,
+                None => memmap2::MmapOptions::new().len(len).populate().map_anon().map_err(alloc)?,
+            })
         } else {
             let mut v = Vec::new();
             v.try_reserve_exact(len).map_err(|e| TableError::Alloc { bytes: len, reason: e.to_string() })?;

@@ -52,3 +52,25 @@ fn reserve_validates_like_put() {
     let buf = FetchBuffer::new(None, 0);
     assert!(matches!(buf.reserve("a", "nope", &[1], ""), Err(TableError::Invalid { .. })));
 }
+
+#[test]
+fn a_reservation_past_the_huge_page_size_is_zeroed_writable_and_read_back() {
+    // 3 huge pages plus a tail: the huge-page mapping (or, where the kernel
+    // refuses the advice, the populated one) must give zeroed memory, take
+    // writes to its last byte, and keep them through the freeze to read-only.
+    let n = 3 * lowwater_core::payload::HUGE_PAGE_BYTES + 4097;
+    let buf = FetchBuffer::new(None, 64 * 1024);
+    let mut pending = buf.reserve("big", "uint8", &[n], "").unwrap();
+    let slice = pending.as_mut_slice();
+    assert_eq!(slice.len(), n);
+    assert!(slice.iter().all(|b| *b == 0));
+    slice[0] = 1;
+    slice[n - 1] = 2;
+    buf.commit(pending).unwrap();
+    let shard = buf.get("big").unwrap();
+    assert!(shard.payload.is_mapped());
+    assert_eq!((shard.payload.as_slice()[0], shard.payload.as_slice()[n - 1]), (1, 2));
+    drop(shard);
+    buf.clear_all();
+    assert_eq!(buf.stats().live_bytes, 0);
+}
