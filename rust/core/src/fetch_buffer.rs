@@ -139,12 +139,7 @@ impl FetchBuffer {
         }
         let (dtype, _) = lookup(dtype)?;
         let n = data.len() as u64;
-        // Only a bounded buffer needs the replaced size (an extra lookup per put).
-        let replacing = match self.acct.capacity() {
-            Some(_) => self.map.get_with(id, |slot| slot.load().map_or(0, |s| s.payload.len() as u64)).unwrap_or(0),
-            None => 0,
-        };
-        self.acct.reserve(n, replacing)?;
+        self.acct.reserve(n, self.replacing(id))?;
         let payload = match Payload::copy_from(data, self.mmap_threshold, &self.acct.live) {
             Ok(p) => p,
             Err(e) => {
@@ -154,14 +149,7 @@ impl FetchBuffer {
         };
         let key: Arc<str> = Arc::from(id);
         let shard = Arc::new(Shard { id: Arc::clone(&key), dtype, shape: shape.into(), owner: owner.into(), payload });
-        self.acct.committed();
-        let old = self.map.insert_with(key, Slot::new(shard), |old| old.take()).flatten();
-        if let Some(old) = old {
-            // The replaced shard is released now; a view may still hold it.
-            self.acct.released(old.payload.len() as u64);
-            self.removals.fetch_add(1, Ordering::Relaxed);
-        }
-        self.acct.settled();
+        self.store(key, shard);
         Ok(())
     }
 
@@ -176,11 +164,7 @@ impl FetchBuffer {
     pub fn reserve(&self, id: &str, dtype: &str, shape: &[usize], owner: &str) -> Result<PendingShard, TableError> {
         let n = expected_nbytes(dtype, shape)?;
         let (dtype, _) = lookup(dtype)?;
-        let replacing = match self.acct.capacity() {
-            Some(_) => self.map.get_with(id, |slot| slot.load().map_or(0, |s| s.payload.len() as u64)).unwrap_or(0),
-            None => 0,
-        };
-        self.acct.reserve(n as u64, replacing)?;
+        self.acct.reserve(n as u64, self.replacing(id))?;
         match PayloadMut::zeroed(n, self.mmap_threshold, &self.acct.live) {
             Ok(payload) => {
                 Ok(PendingShard { id: Arc::from(id), dtype, shape: shape.into(), owner: owner.into(), payload })
@@ -208,14 +192,34 @@ impl FetchBuffer {
             }
         };
         let shard = Arc::new(Shard { id: Arc::clone(&id), dtype, shape, owner, payload });
+        self.store(id, shard);
+        Ok(())
+    }
+
+    /// Bytes of the shard `id` a put would replace, for the capacity check;
+    /// only a bounded buffer needs them (an extra lookup per put).
+    fn replacing(&self, id: &str) -> u64 {
+        match self.acct.capacity() {
+            Some(_) => self.map.get_with(id, |slot| slot.load().map_or(0, |s| s.payload.len() as u64)).unwrap_or(0),
+            None => 0,
+        }
+    }
+
+    /// Publish `shard`, whose bytes are reserved, under `key`, replacing (and
+    /// releasing) any shard held there: the one insert path of put and commit.
+    fn store(&self, key: Arc<str>, shard: Arc<Shard>) {
         self.acct.committed();
-        let old = self.map.insert_with(id, Slot::new(shard), |old| old.take()).flatten();
-        if let Some(old) = old {
-            self.acct.released(old.payload.len() as u64);
-            self.removals.fetch_add(1, Ordering::Relaxed);
+        if let Some(old) = self.map.insert_with(key, Slot::new(shard), |old| old.take()).flatten() {
+            // The replaced shard is released now; a view may still hold it.
+            self.released(&old);
         }
         self.acct.settled();
-        Ok(())
+    }
+
+    /// Count `shard` out of the table (a view may still hold its payload).
+    fn released(&self, shard: &Shard) {
+        self.acct.released(shard.payload.len() as u64);
+        self.removals.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Give back a [`PendingShard`]'s reservation without inserting it (a
@@ -247,8 +251,7 @@ impl FetchBuffer {
     /// concurrent caller gets the shard.
     fn take(&self, id: &str) -> Option<Arc<Shard>> {
         let shard = self.map.remove_with(id, |slot| slot.take()).flatten()?;
-        self.acct.released(shard.payload.len() as u64);
-        self.removals.fetch_add(1, Ordering::Relaxed);
+        self.released(&shard);
         Some(shard)
     }
 
