@@ -33,7 +33,8 @@ import pytest
 import trio
 
 from lowwater.http import serve
-from lowwater.trainer.shards import ShardStore, clear_batch
+from lowwater.trainer.drain import clear_batch
+from lowwater.trainer.shards import ShardStore
 
 from ._proc import HERE, MIB, WAIT_S, child_env
 

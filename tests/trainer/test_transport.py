@@ -15,7 +15,8 @@ from lowwater import plugins as plugins_mod
 from lowwater.hookspecs import hookimpl
 from lowwater.http import serve
 from lowwater.http.exposure import ExposureError
-from lowwater.trainer.shards import ShardConsumer, ShardMissing, ShardRef, ShardStore, clear_batch
+from lowwater.trainer.drain import clear_batch
+from lowwater.trainer.shards import ShardConsumer, ShardMissing, ShardRef, ShardStore
 from lowwater.trainer.transport import HttpTransport, ShardTransport
 
 

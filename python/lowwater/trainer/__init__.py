@@ -5,7 +5,8 @@ layer never imports the eval layer; both build engines with
 :mod:`lowwater.assembly`.  See ``docs/trainer.md``."""
 
 from lowwater.trainer.api import Batch, Lowwater, SyncLowwater, TrainerClosed, TrainerConfig
-from lowwater.trainer.shards import DrainReport, ShardConsumer, ShardRef, ShardStore, clear_batch
+from lowwater.trainer.drain import DrainReport, clear_batch
+from lowwater.trainer.shards import ShardConsumer, ShardRef, ShardStore
 
 __all__ = [
     "Batch",
