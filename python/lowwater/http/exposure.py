@@ -74,6 +74,16 @@ def join(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def public_address(bind: str, bound: str, advertise: str | None = None) -> str:
+    """The ``host:port`` to hand out for a server bound to ``bind`` that
+    listens on ``bound`` (``host:port`` as :func:`lowwater.http.serve`
+    reports it): ``bound`` itself for a loopback bind without ``advertise``,
+    else :func:`advertised_host` with ``bound``'s port."""
+    if advertise or not is_loopback(bind):
+        return join(advertised_host(bind, advertise), int(bound.rpartition(":")[2]))
+    return bound
+
+
 def check_bind(what: str, host: str, admin_key: str | None, *, key_env: str = ADMIN_KEY_ENV) -> None:
     """Refuse to bind ``what`` beyond loopback without an admin key; log
     (warning) that it does when it does.
@@ -146,6 +156,7 @@ __all__ = [
     "is_wildcard",
     "join",
     "primary_address",
+    "public_address",
     "reachable_model",
     "require_reachable",
 ]

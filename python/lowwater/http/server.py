@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from lowwater.http.asgi import App
+from lowwater.http.exposure import check_bind, public_address
 
 #: Seconds an idle keep-alive connection is kept: large shards take longer
 #: than hypercorn's 5 s default on a loaded box.
@@ -57,3 +61,35 @@ async def serve(
     async with trio.open_nursery() as nursery:
         binds: list[str] = await nursery.start(_serve)
         task_status.started(binds[0].split("://", 1)[1])
+
+
+@asynccontextmanager
+async def open_server(
+    what: str,
+    app: App,
+    host: str,
+    port: int,
+    *,
+    advertise: str | None,
+    admin_key: str | None,
+    keep_alive_s: float = KEEP_ALIVE_S,
+    backlog: int = BACKLOG,
+) -> AsyncIterator[tuple[trio.Nursery, str]]:
+    """Serve ``app`` under the binding rules (:mod:`lowwater.http.exposure`);
+    yields ``(nursery, "host:port")``: the nursery the server runs in (for
+    the caller's own tasks) and the address to hand out
+    (:func:`~lowwater.http.exposure.public_address`).  The server runs
+    until the nursery is cancelled; leaving the block waits for that.
+
+    Raises:
+        lowwater.http.exposure.ExposureError: ``host`` is beyond loopback and
+            ``admin_key`` is empty, raised before anything is started (bare,
+            not inside an exception group); ``what`` names the server.
+        OSError: the address cannot be bound (inside Trio's exception groups).
+    """
+    check_bind(what, host, admin_key)
+    async with trio.open_nursery() as nursery:
+        bound = await nursery.start(
+            functools.partial(serve, app, host, port, keep_alive_s=keep_alive_s, backlog=backlog)
+        )
+        yield nursery, public_address(host, bound, advertise)

@@ -60,10 +60,10 @@ from lowwater.http import (
     send_bytes,
     send_error,
     send_json,
-    serve,
     start_response,
 )
 from lowwater.http.routes import normalise
+from lowwater.http.server import open_server
 from lowwater.interception.hooks import InterceptedCall, InterceptedResponse, Interceptors
 from lowwater.interception.protocols import Completion, Protocol, builtin_protocols
 from lowwater.interception.sampling import apply as apply_sampling
@@ -199,16 +199,19 @@ class InterceptionServer:
                 and no ``admin_key`` was given.
             OSError: the address cannot be bound.
         """
-        from lowwater.http.exposure import advertised_host, check_bind, is_loopback, join
-
-        check_bind("the interception server", host, admin_key)
-        async with trio.open_nursery() as nursery:
+        server = open_server(
+            "the interception server",
+            self,
+            host,
+            port,
+            advertise=advertise,
+            admin_key=admin_key,
+            keep_alive_s=KEEP_ALIVE_S,
+            backlog=BACKLOG,
+        )
+        async with server as (nursery, address):
+            # Set with the URL: a call reaches _serve only through a slot, and register() needs the URL.
             self._watchers = nursery
-            address = await nursery.start(
-                functools.partial(serve, self, host, port, keep_alive_s=KEEP_ALIVE_S, backlog=BACKLOG)
-            )
-            if advertise or not is_loopback(host):
-                address = join(advertised_host(host, advertise), int(address.rpartition(":")[2]))
             self.url = f"http://{address}"
             nursery.start_soon(self._prune_upstreams)
             task_status.started(self.url)

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import trio
 
-from lowwater.http import serve
-from lowwater.http.exposure import advertised_host, check_bind, is_loopback, join
+from lowwater.http.server import open_server
 from lowwater.serve_model.app import Model, build_app
 from lowwater.serve_model.replay import ModelError, ReplayDataError, ReplayModel, Reply, ToolCall, UnknownQuestion
 from lowwater.serve_model.scripted import ScriptedModel
@@ -63,14 +62,13 @@ async def serve_model(
         OSError: the address cannot be bound or resolved (the bare error,
             not Trio's nested exception groups around it).
     """
-    check_bind("serve-model", host, admin_key)
     started = False
+    server = open_server(
+        "serve-model", build_app(model, admin_key=admin_key), host, port, advertise=advertise, admin_key=admin_key
+    )
     try:
-        async with trio.open_nursery() as nursery:
-            address = await nursery.start(serve, build_app(model, admin_key=admin_key), host, port)
+        async with server as (_, address):
             started = True
-            if advertise or not is_loopback(host):
-                address = join(advertised_host(host, advertise), int(address.rpartition(":")[2]))
             task_status.started(f"http://{address}")
     except BaseExceptionGroup as group:
         error = None if started else _sole_leaf(group)
