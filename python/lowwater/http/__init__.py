@@ -13,7 +13,9 @@ server, ``lowwater proxy``'s admin endpoints, the shard store and consumers,
 * :mod:`.routes` — :class:`Router` (method + path pattern -> handler; 404/405
   answered in one place), :func:`handle`, :func:`lifespan`.
 * :mod:`.server` — :func:`serve` (``await nursery.start(serve, app)`` gives
-  ``"host:port"``) and :func:`hypercorn_config`.
+  ``"host:port"``), :func:`hypercorn_config`, and ``open_server`` (the bind
+  check of :mod:`.exposure`, then ``serve``; yields the nursery and the
+  address to hand out).
 """
 
 from lowwater.http.asgi import App, HTTPError, Receive, Scope, Send
