@@ -234,8 +234,9 @@ def test_cleanup_loop_runs_on_schedule_and_survives_a_failing_pass(tmp_path, cap
         async with trio.open_nursery() as nursery:
             await nursery.start(store.run_cleanup)
             sid, _ = store.start_session()
-            while sid in store:
-                await trio.sleep(0.01)
+            with trio.fail_after(30):  # the retried pass must close it; fail here, not at pytest's 600 s
+                while sid in store:
+                    await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
         assert calls["n"] >= 2
         assert (tmp_path / f"{sid}.json").exists()

@@ -213,8 +213,9 @@ def test_sigkill_mid_run_reruns_in_flight_tasks():
         async with trio.open_nursery() as nursery:
 
             async def killer():
-                while "pid" not in victim:
-                    await trio.sleep(0.01)
+                with trio.fail_after(30):  # a worker that never starts fails here, not at pytest's 600 s
+                    while "pid" not in victim:
+                        await trio.sleep(0.01)
                 os.kill(victim["pid"], signal.SIGKILL)
 
             nursery.start_soon(killer)
@@ -317,8 +318,9 @@ def test_cancellation_delivers_rows_of_cancelled_tasks_and_stops_workers():
             async with trio.open_nursery() as nursery:
 
                 async def cancel_when_dispatched():
-                    while sum(n == "dispatch" for n, _ in rec.events) < 3:
-                        await trio.sleep(0.01)
+                    with trio.fail_after(30):  # dispatches that never come fail here, not at pytest's 600 s
+                        while sum(n == "dispatch" for n, _ in rec.events) < 3:
+                            await trio.sleep(0.01)
                     scope.cancel()
 
                 nursery.start_soon(cancel_when_dispatched)
