@@ -1,0 +1,93 @@
+//! Request bodies in, response bodies out.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use tokio::sync::mpsc;
+
+/// Why a request body could not be read.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum BodyError {
+    /// Over the limit (declared or read); the rest was drained: 413.
+    TooLarge,
+    /// Shorter than declared, or the client left mid-body: 400.
+    Cut(String),
+}
+
+/// Read a request body of at most `limit` bytes into one buffer (of its
+/// `content-length` when declared, so a large body is not regrown).
+pub(crate) async fn read_limited(mut body: Incoming, declared: Option<u64>, limit: usize) -> Result<Bytes, BodyError> {
+    if declared.is_some_and(|d| d > limit as u64) {
+        drain(body, limit).await;
+        return Err(BodyError::TooLarge);
+    }
+    let mut buf = BytesMut::with_capacity(declared.map_or(0, |d| d as usize));
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| BodyError::Cut(format!("the request body was cut short: {e}")))?;
+        if let Ok(data) = frame.into_data() {
+            if buf.len() + data.len() > limit {
+                drop(buf);
+                drain(body, limit).await;
+                return Err(BodyError::TooLarge);
+            }
+            buf.extend_from_slice(&data);
+        }
+    }
+    Ok(buf.freeze())
+}
+
+/// Discard the rest of a refused body so the client gets to read the answer,
+/// up to `4 * limit` bytes more (past that the connection is closed on it).
+pub(crate) async fn drain(mut body: Incoming, limit: usize) {
+    let mut left = limit.saturating_mul(4);
+    while let Some(Ok(frame)) = body.frame().await {
+        let n = frame.data_ref().map_or(0, |d| d.len());
+        if n > left {
+            return;
+        }
+        left -= n;
+    }
+}
+
+/// A response body: whole, or relayed from a channel as chunks arrive.
+pub(crate) enum ResBody {
+    /// A whole body (sent with its `content-length`).
+    Full(Option<Bytes>),
+    /// Chunks as the relay task sends them; the stream ends when it drops the sender.
+    Stream(mpsc::Receiver<Bytes>),
+}
+
+impl ResBody {
+    pub(crate) fn full(bytes: impl Into<Bytes>) -> Self {
+        ResBody::Full(Some(bytes.into()))
+    }
+}
+
+impl Body for ResBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.get_mut() {
+            ResBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            ResBody::Stream(rx) => rx.poll_recv(cx).map(|c| c.map(|b| Ok(Frame::data(b)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self, ResBody::Full(None))
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            ResBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
+            ResBody::Full(None) => SizeHint::with_exact(0),
+            ResBody::Stream(_) => SizeHint::default(),
+        }
+    }
+}

@@ -1,0 +1,97 @@
+//! lowwater-dataplane: the interception proxy's data plane in Rust.
+//!
+//! An HTTP/1.1 server (hyper on a bounded tokio runtime) that takes an
+//! agent's OpenAI/Anthropic-compatible model calls, authenticates each by its
+//! rollout's secret, forwards it to the upstream with the upstream's key,
+//! relays the answer (SSE event by event), and hands each finished call to
+//! the control plane as a [`TurnRecord`] through a [`CompletionQueue`] with a
+//! wakeup fd.  The control plane (Python, in a later step) registers and
+//! unregisters rollouts, turns records into trajectory turns, and acks them;
+//! see docs/dataplane.md for the boundary.  Pure Rust, no pyo3.
+//!
+//! # Status codes
+//!
+//! | status | when |
+//! |---|---|
+//! | 400 | malformed JSON, nesting deeper than [`protocol::MAX_JSON_DEPTH`], a missing or mistyped field, a forwarded header that is not ASCII, a body cut short |
+//! | 401 | missing or unknown secret, or keys of two rollouts (`connection: close`: the body is not read) |
+//! | 404 / 405 | no such route / not a POST (with `allow: POST`) |
+//! | 410 | the rollout was closed before or during the call (a stream under way gets an error event instead) |
+//! | 413 | body over [`Config::max_body_bytes`] (the rest is drained first) |
+//! | upstream's | the upstream's answer, passed on (429 with its `retry-after`) |
+//! | 502 | upstream unreachable, 5xx after retries, an answer cut or too large |
+//! | 504 | upstream timeout |
+//!
+//! None is a 500; error bodies have the protocol's shape.
+//!
+//! # Allocator
+//!
+//! glibc malloc gives each thread that allocates its own arena and keeps the
+//! pages freed into it, so a burst handled by tokio's worker threads leaves
+//! the process's resident size at the burst's peak (the Python proxy's
+//! resting RSS problem, issue 18).  The data plane is built for mimalloc
+//! (feature `mimalloc`, on by default; [`Allocator`]): freed pages are purged
+//! back to the OS after a short delay (decommitted with `MADV_DONTNEED`), and
+//! thread-local heaps hold no arena for good.  It is compiled with
+//! `local_dynamic_tls`: the default initial-exec TLS model can fail with
+//! "cannot allocate memory in static TLS block" in a library that CPython
+//! `dlopen`s.  The crate does not set the global allocator itself (a library
+//! must not choose for its users); the final artifact does, with
+//! `#[global_allocator] static A: lowwater_dataplane::Allocator = Allocator;`
+//! (the tests and the later extension module).  In a `cdylib` loaded into
+//! CPython that governs only Rust allocations; Python's objects stay on
+//! pymalloc and glibc, and no `malloc` symbol is interposed.  The runtime is
+//! bounded too ([`Config::worker_threads`], 2 by default): a fixed few
+//! threads, each with its own heap.
+//!
+//! # Cargo features
+//!
+//! * `mimalloc` (default): the allocator above.
+//! * `tls` (off by default): rustls (ring, webpki roots) for `https://`
+//!   upstreams.  Off, an https upstream is refused at start
+//!   ([`ConfigError::HttpsNeedsTls`]); loopback upstreams need none.
+//!
+//! Under `--cfg loom` only [`lifecycle`] is compiled (tests/loom.rs models
+//! `unregister` racing in-flight calls).
+
+#![deny(missing_docs)]
+
+pub mod lifecycle;
+mod sync;
+
+#[cfg(not(loom))]
+mod body;
+#[cfg(not(loom))]
+pub mod divergence;
+#[cfg(not(loom))]
+pub mod error;
+#[cfg(not(loom))]
+mod plane;
+#[cfg(not(loom))]
+pub mod protocol;
+#[cfg(not(loom))]
+pub mod queue;
+#[cfg(not(loom))]
+pub mod rollouts;
+#[cfg(not(loom))]
+mod server;
+#[cfg(not(loom))]
+pub mod sse;
+#[cfg(not(loom))]
+mod upstream;
+
+#[cfg(not(loom))]
+pub use error::{ConfigError, RegisterError};
+#[cfg(not(loom))]
+pub use plane::{Config, DataPlane, StartError, Stats};
+#[cfg(not(loom))]
+pub use protocol::{ProtocolId, ProtocolSpec, ProtocolTable};
+#[cfg(not(loom))]
+pub use queue::{CompletionQueue, RequestDelta, Timings, TurnRecord};
+#[cfg(not(loom))]
+pub use rollouts::RolloutTable;
+
+/// The data plane's allocator, for the final artifact's `#[global_allocator]`
+/// (see the crate docs' Allocator section).
+#[cfg(all(feature = "mimalloc", not(loom)))]
+pub type Allocator = mimalloc::MiMalloc;

@@ -1,0 +1,273 @@
+//! The data plane as a whole: configuration, start, the control API, stats.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+
+use crate::divergence::MessageHasher;
+use crate::error::{ConfigError, RegisterError};
+use crate::protocol::ProtocolTable;
+use crate::queue::CompletionQueue;
+use crate::rollouts::RolloutTable;
+use crate::server::{accept_loop, Counters, Shared};
+use crate::upstream::Upstream;
+
+/// How the data plane runs.  [`Config::new`] gives the Python server's defaults.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The upstream's base URL (`http://127.0.0.1:8000/v1`); a call to
+    /// `/v1/chat/completions` goes to `{upstream}/chat/completions`.
+    pub upstream: String,
+    /// Sent upstream as `Authorization: Bearer` and `x-api-key` in place of
+    /// the rollout's secret (`None`: no key is sent).
+    pub upstream_key: Option<String>,
+    /// The routes.
+    pub protocols: ProtocolTable,
+    /// Largest request body accepted, bytes (64 MiB); larger is a 413.
+    pub max_body_bytes: usize,
+    /// Largest non-streamed upstream answer read, bytes (256 MiB); larger is a 502.
+    pub max_response_bytes: usize,
+    /// Connect timeout, and the longest wait for the upstream's head or for
+    /// any chunk of its body (600 s); past it the call is a 504 (or a cut stream).
+    pub upstream_timeout: Duration,
+    /// Retries of a connect error, 429 or 5xx before the answer reaches the agent (3).
+    pub retries: u32,
+    /// First backoff step (0.5 s); full jitter, doubling per attempt.
+    pub backoff: Duration,
+    /// Longest backoff, and the cap on a `Retry-After` (8 s).
+    pub max_backoff: Duration,
+    /// Upstream calls at once (1,024); more wait for a slot.
+    pub max_concurrency: usize,
+    /// Idle upstream connections are closed after this (5 s).
+    pub pool_idle_timeout: Duration,
+    /// Hold each call's last bytes until the control plane acks its record
+    /// (true).  Off, they go out as soon as the record is queued.
+    pub hold_for_ack: bool,
+    /// Tokio worker threads (2): a bounded runtime, so the data plane's
+    /// allocator caches are per a fixed few threads.
+    pub worker_threads: usize,
+}
+
+impl Config {
+    /// The defaults, forwarding to `upstream`.
+    pub fn new(upstream: impl Into<String>) -> Self {
+        Config {
+            upstream: upstream.into(),
+            upstream_key: None,
+            protocols: ProtocolTable::builtin(),
+            max_body_bytes: 64 << 20,
+            max_response_bytes: 256 << 20,
+            upstream_timeout: Duration::from_secs(600),
+            retries: 3,
+            backoff: Duration::from_millis(500),
+            max_backoff: Duration::from_secs(8),
+            max_concurrency: 1024,
+            pool_idle_timeout: Duration::from_secs(5),
+            hold_for_ack: true,
+            worker_threads: 2,
+        }
+    }
+}
+
+/// Why [`DataPlane::start`] failed.
+#[derive(Debug)]
+pub enum StartError {
+    /// The configuration is unusable.
+    Config(ConfigError),
+    /// Binding the listener, making the wakeup fd or the runtime failed.
+    Io(std::io::Error),
+}
+
+impl std::fmt::Display for StartError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StartError::Config(e) => e.fmt(f),
+            StartError::Io(e) => write!(f, "cannot start the data plane: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for StartError {}
+
+impl From<ConfigError> for StartError {
+    fn from(e: ConfigError) -> Self {
+        StartError::Config(e)
+    }
+}
+
+impl From<std::io::Error> for StartError {
+    fn from(e: std::io::Error) -> Self {
+        StartError::Io(e)
+    }
+}
+
+/// A snapshot of the data plane's tables and counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Stats {
+    /// Rollouts open (registered, not unregistered).
+    pub open_rollouts: usize,
+    /// Live secrets (equals `open_rollouts` at rest).
+    pub secrets: usize,
+    /// Calls begun in an open rollout and neither recorded nor cancelled.
+    pub in_flight: usize,
+    /// Handlers and relays running (0 once every call has ended).
+    pub active_calls: u64,
+    /// Client connections open.
+    pub connections: u64,
+    /// Records waiting to be drained.
+    pub queued: usize,
+    /// Records whose call still holds its last bytes for an ack.
+    pub awaiting_ack: usize,
+    /// Calls received on a protocol route (any outcome).
+    pub calls: u64,
+    /// Calls recorded with a 2xx answer.
+    pub ok: u64,
+    /// Calls recorded with an upstream error status or a failure.
+    pub failed: u64,
+    /// Calls answered 410 or broken off because their rollout closed (not recorded).
+    pub closed: u64,
+    /// Streams whose client left before the end (not recorded).
+    pub disconnected: u64,
+    /// Calls refused before forwarding (400, 401, 413; not recorded).
+    pub refused: u64,
+}
+
+/// A running data plane: its own tokio runtime, listener and tables.
+///
+/// Dropping it stops the server (in-flight calls are dropped with the
+/// runtime).  Do not drop it from inside an async context of another runtime
+/// only if that runtime forbids blocking: shutdown does not block.
+pub struct DataPlane {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl std::fmt::Debug for DataPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataPlane").field("addr", &self.addr).finish_non_exhaustive()
+    }
+}
+
+impl DataPlane {
+    /// Start serving on `listen` (port 0: an OS-chosen port; see
+    /// [`DataPlane::local_addr`]).  Callable from any thread, async or not.
+    ///
+    /// # Errors
+    /// [`StartError::Config`] for an unusable configuration (bad upstream
+    /// URL, https without the `tls` feature, a zero limit);
+    /// [`StartError::Io`] if the address cannot be bound.
+    pub fn start(config: Config, listen: SocketAddr) -> Result<Self, StartError> {
+        if config.max_body_bytes == 0 {
+            return Err(ConfigError::Limit("max_body_bytes").into());
+        }
+        if config.worker_threads == 0 {
+            return Err(ConfigError::Limit("worker_threads").into());
+        }
+        let upstream = Upstream::new(&config)?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(config.worker_threads)
+            .thread_name("lowwater-dataplane")
+            .enable_io()
+            .enable_time()
+            .build()?;
+        let std_listener = std::net::TcpListener::bind(listen)?;
+        std_listener.set_nonblocking(true)?;
+        let addr = std_listener.local_addr()?;
+        let listener = {
+            let _in = runtime.enter();
+            tokio::net::TcpListener::from_std(std_listener)?
+        };
+        let shared = Arc::new(Shared {
+            rollouts: RolloutTable::new(),
+            queue: CompletionQueue::new()?,
+            protocols: config.protocols,
+            upstream,
+            hasher: MessageHasher::new(),
+            max_body_bytes: config.max_body_bytes,
+            max_response_bytes: config.max_response_bytes,
+            hold_for_ack: config.hold_for_ack,
+            counters: Counters::default(),
+        });
+        let (stop, stopped) = oneshot::channel();
+        runtime.spawn(accept_loop(Arc::clone(&shared), listener, stopped));
+        Ok(DataPlane { shared, addr, stop: Some(stop), runtime: Some(runtime) })
+    }
+
+    /// The address the server listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Open a rollout (see [`RolloutTable::register`]).
+    ///
+    /// # Errors
+    /// As [`RolloutTable::register`].
+    pub fn register(&self, rollout_id: &str, secret: &str) -> Result<(), RegisterError> {
+        self.shared.rollouts.register(rollout_id, secret)
+    }
+
+    /// Close a rollout, cancelling its in-flight calls (see
+    /// [`RolloutTable::unregister`]); `None` if it was not open.
+    pub fn unregister(&self, rollout_id: &str) -> Option<usize> {
+        self.shared.rollouts.unregister(rollout_id)
+    }
+
+    /// The completion queue: wakeup fd, drain, ack.
+    pub fn queue(&self) -> &CompletionQueue {
+        &self.shared.queue
+    }
+
+    /// The routes (a record's `protocol` indexes this table).
+    pub fn protocols(&self) -> &ProtocolTable {
+        &self.shared.protocols
+    }
+
+    /// A snapshot of the tables and counters.
+    pub fn stats(&self) -> Stats {
+        let sh = &self.shared;
+        let c = &sh.counters;
+        let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        Stats {
+            open_rollouts: sh.rollouts.len(),
+            secrets: sh.rollouts.secrets(),
+            in_flight: sh.rollouts.in_flight(),
+            active_calls: get(&c.active_calls),
+            connections: get(&c.connections),
+            queued: sh.queue.len(),
+            awaiting_ack: sh.queue.awaiting_ack(),
+            calls: get(&c.calls),
+            ok: get(&c.ok),
+            failed: get(&c.failed),
+            closed: get(&c.closed),
+            disconnected: get(&c.disconnected),
+            refused: get(&c.refused),
+        }
+    }
+
+    /// Stop accepting, release held calls, and stop the runtime without
+    /// waiting for its tasks (safe from any context).
+    pub fn shutdown(mut self) {
+        self.stop_now();
+    }
+
+    fn stop_now(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        self.shared.queue.release_all();
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl Drop for DataPlane {
+    fn drop(&mut self) {
+        self.stop_now();
+    }
+}

@@ -1,0 +1,287 @@
+//! The completion queue: turn records handed to the control plane.
+//!
+//! The data plane pushes one [`TurnRecord`] per recorded call; the control
+//! plane (a Trio loop, later) waits for [`CompletionQueue::wakeup_fd`] to be
+//! readable, calls [`CompletionQueue::drain`], appends the turns to their
+//! trajectories, and [`CompletionQueue::ack`]s each record's `seq`.  Until
+//! the ack, the call's last bytes (a stream's terminal event, a whole
+//! non-streamed answer) are held, so an agent never sees the end of an
+//! answer whose turn is not recorded.
+//!
+//! The wakeup fd is an eventfd on Linux (a pipe elsewhere).  It is written
+//! only when a record lands on an empty queue, and `drain` clears it before
+//! taking the records, so no wakeup is lost and a burst costs one write.
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+
+use bytes::Bytes;
+use tokio::sync::oneshot;
+
+use crate::protocol::ProtocolId;
+
+/// The part of a request a turn keeps: the messages the rollout had not sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestDelta {
+    /// How many leading messages equal the rollout's previous request's; the
+    /// delta starts at this index of the request's messages list.
+    pub kept: usize,
+    /// How many messages the previous request had; `kept < previous` means
+    /// the agent rewrote its history, and the request is
+    /// `previous_request[..kept] + messages`.
+    pub previous: usize,
+    /// The messages from `kept` on, each its JSON text as sent (for a plain
+    /// string `input` of the responses protocol: that JSON string).
+    pub messages: Vec<Bytes>,
+}
+
+/// Timings of one call, in seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timings {
+    /// When the request's head arrived, seconds since the Unix epoch.
+    pub started_s: f64,
+    /// From the request's arrival to the upstream's response head (0 if none came).
+    pub upstream_s: f64,
+    /// From the request's arrival to the record (the answer's end, before the held bytes).
+    pub duration_s: f64,
+}
+
+/// One model call of a rollout, as handed to the control plane.
+#[derive(Debug, Clone)]
+pub struct TurnRecord {
+    /// Acknowledge with this ([`CompletionQueue::ack`]) to release the held bytes.
+    pub seq: u64,
+    /// The rollout the call belongs to.
+    pub rollout_id: std::sync::Arc<str>,
+    /// The protocol's index in the data plane's protocol table.
+    pub protocol: ProtocolId,
+    /// The `model` the agent asked for (`""` if the protocol has none).
+    pub model: String,
+    /// Whether the agent asked for a stream.
+    pub streamed: bool,
+    /// The new messages.
+    pub request: RequestDelta,
+    /// The status the agent was answered with: the upstream's, or 502/504.
+    pub status: u16,
+    /// The upstream's answer: the whole body, or for a stream every event
+    /// relayed (line endings normalised to `\n`), terminal event included.
+    pub response: Bytes,
+    /// Why the call failed (upstream unreachable, timed out, stream cut), if it did.
+    pub error: Option<String>,
+    /// Timings.
+    pub timings: Timings,
+}
+
+/// Records waiting for the control plane, with the fd that says so.
+#[derive(Debug)]
+pub struct CompletionQueue {
+    records: Mutex<VecDeque<TurnRecord>>,
+    /// Held calls by record seq.  A mutex, not papaya: papaya drops a removed
+    /// value only when its deferred reclamation runs, and the dropped sender is
+    /// what releases the call, so an ack must take the sender out at once.
+    acks: Mutex<HashMap<u64, oneshot::Sender<()>, foldhash::fast::RandomState>>,
+    next_seq: AtomicU64,
+    wakeup: OwnedFd,
+    /// The pipe's write end (`None` for an eventfd, which is both ends).
+    wakeup_write: Option<OwnedFd>,
+}
+
+impl CompletionQueue {
+    /// An empty queue with a fresh wakeup fd.
+    ///
+    /// # Errors
+    /// The OS error if the eventfd (or pipe) cannot be made.
+    pub fn new() -> std::io::Result<Self> {
+        let (wakeup, wakeup_write) = wakeup_fd()?;
+        Ok(CompletionQueue {
+            records: Mutex::new(VecDeque::new()),
+            acks: Mutex::new(HashMap::default()),
+            next_seq: AtomicU64::new(0),
+            wakeup,
+            wakeup_write,
+        })
+    }
+
+    /// The fd that becomes readable when records are waiting; wait on it,
+    /// then [`CompletionQueue::drain`].  Owned by the queue: do not close it.
+    pub fn wakeup_fd(&self) -> RawFd {
+        self.wakeup.as_raw_fd()
+    }
+
+    /// A fresh record sequence number.
+    pub(crate) fn next_seq(&self) -> u64 {
+        self.next_seq.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Queue `record`; with `ack`, the caller's held bytes wait for
+    /// [`CompletionQueue::ack`] of `record.seq`.
+    pub(crate) fn push(&self, record: TurnRecord, ack: Option<oneshot::Sender<()>>) {
+        if let Some(ack) = ack {
+            // Before the record is visible, so an ack right after drain finds it.
+            self.lock_acks().insert(record.seq, ack);
+        }
+        let was_empty = {
+            let mut q = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+            let was_empty = q.is_empty();
+            q.push_back(record);
+            was_empty
+        };
+        if was_empty {
+            self.wake();
+        }
+    }
+
+    /// Every waiting record, oldest first (clears the wakeup fd first).
+    pub fn drain(&self) -> Vec<TurnRecord> {
+        self.clear_wakeup();
+        let mut q = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        q.drain(..).collect()
+    }
+
+    /// Release the held bytes of record `seq`; `false` if nothing waits on
+    /// it (acked already, its client left, or pushed without an ack).
+    pub fn ack(&self, seq: u64) -> bool {
+        let sender = self.lock_acks().remove(&seq);
+        match sender {
+            Some(tx) => {
+                let _ = tx.send(()); // the call may have ended meanwhile
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Release every held call (shutdown, or a control plane that stops acking).
+    pub fn release_all(&self) -> usize {
+        let held: Vec<_> = self.lock_acks().drain().collect();
+        let n = held.len();
+        drop(held);
+        n
+    }
+
+    /// How many records wait to be drained.
+    pub fn len(&self) -> usize {
+        self.records.lock().unwrap_or_else(PoisonError::into_inner).len()
+    }
+
+    /// Whether no record waits.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// How many drained or queued records still hold their call's last bytes.
+    pub fn awaiting_ack(&self) -> usize {
+        self.lock_acks().len()
+    }
+
+    fn lock_acks(&self) -> std::sync::MutexGuard<'_, HashMap<u64, oneshot::Sender<()>, foldhash::fast::RandomState>> {
+        self.acks.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn wake(&self) {
+        let fd = self.wakeup_write.as_ref().unwrap_or(&self.wakeup).as_raw_fd();
+        let one: u64 = 1;
+        let len = if self.wakeup_write.is_some() { 1 } else { 8 };
+        // SAFETY: `fd` is open for the queue's life; `one` outlives the call.
+        // A full pipe (EAGAIN) already signals readable; nothing to do then.
+        let _ = unsafe { libc::write(fd, (&one as *const u64).cast(), len) };
+    }
+
+    fn clear_wakeup(&self) {
+        let mut buf = [0u8; 64];
+        let len = if self.wakeup_write.is_some() { buf.len() } else { 8 };
+        loop {
+            // SAFETY: `wakeup` is open and non-blocking; `buf` is valid for `len` bytes.
+            let n = unsafe { libc::read(self.wakeup.as_raw_fd(), buf.as_mut_ptr().cast(), len) };
+            // An eventfd read resets its counter in one go; a pipe is read until empty.
+            if n <= 0 || self.wakeup_write.is_none() {
+                break;
+            }
+        }
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn wakeup_fd() -> std::io::Result<(OwnedFd, Option<OwnedFd>)> {
+    // SAFETY: plain syscall; the fd is checked before it is owned.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by eventfd and is owned by nobody else.
+    Ok((unsafe { OwnedFd::from_raw_fd(fd) }, None))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn wakeup_fd() -> std::io::Result<(OwnedFd, Option<OwnedFd>)> {
+    let mut fds = [0; 2];
+    // SAFETY: `fds` has room for the two fds pipe writes.
+    if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    for fd in fds {
+        // SAFETY: both fds were just made by pipe.
+        unsafe {
+            libc::fcntl(fd, libc::F_SETFL, libc::O_NONBLOCK);
+            libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+        }
+    }
+    // SAFETY: both fds were just made by pipe and are owned by nobody else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), Some(OwnedFd::from_raw_fd(fds[1]))) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn readable(fd: RawFd) -> bool {
+        let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd, zero timeout.
+        unsafe { libc::poll(&mut p, 1, 0) == 1 }
+    }
+
+    fn record(q: &CompletionQueue) -> TurnRecord {
+        TurnRecord {
+            seq: q.next_seq(),
+            rollout_id: "r".into(),
+            protocol: 0,
+            model: String::new(),
+            streamed: false,
+            request: RequestDelta { kept: 0, previous: 0, messages: Vec::new() },
+            status: 200,
+            response: Bytes::new(),
+            error: None,
+            timings: Timings { started_s: 0.0, upstream_s: 0.0, duration_s: 0.0 },
+        }
+    }
+
+    #[test]
+    fn wakeup_fd_follows_the_queue() {
+        let q = CompletionQueue::new().unwrap();
+        assert!(!readable(q.wakeup_fd()));
+        q.push(record(&q), None);
+        q.push(record(&q), None);
+        assert!(readable(q.wakeup_fd()));
+        let got = q.drain();
+        assert_eq!(got.iter().map(|r| r.seq).collect::<Vec<_>>(), [0, 1]);
+        assert!(!readable(q.wakeup_fd()), "drain clears the fd");
+        assert!(q.drain().is_empty());
+    }
+
+    #[test]
+    fn ack_wakes_the_holder_once() {
+        let q = CompletionQueue::new().unwrap();
+        let (tx, mut rx) = oneshot::channel();
+        let r = record(&q);
+        let seq = r.seq;
+        q.push(r, Some(tx));
+        assert_eq!(q.awaiting_ack(), 1);
+        assert!(matches!(rx.try_recv(), Err(oneshot::error::TryRecvError::Empty)));
+        assert!(q.ack(seq));
+        assert!(!q.ack(seq));
+        assert!(rx.try_recv().is_ok());
+        assert_eq!(q.awaiting_ack(), 0);
+    }
+}

@@ -1,0 +1,218 @@
+//! The upstream client: one pooled hyper client per data plane, retries with
+//! full-jitter backoff (honouring `Retry-After`), a concurrency bound, and
+//! the upstream's key in place of the rollout's secret.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::error::ConfigError;
+use crate::plane::Config;
+
+#[cfg(feature = "tls")]
+type Connector = hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>;
+#[cfg(not(feature = "tls"))]
+type Connector = hyper_util::client::legacy::connect::HttpConnector;
+
+/// Statuses retried before the answer reaches the agent (the Python client's).
+const RETRY_STATUSES: [u16; 5] = [429, 500, 502, 503, 504];
+
+/// Why an upstream call produced no answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum UpstreamError {
+    /// Unreachable, refused, reset, or a malformed answer: 502.
+    Failed(String),
+    /// No answer within the timeout: 504.
+    Timeout,
+}
+
+impl UpstreamError {
+    pub(crate) fn status(&self) -> u16 {
+        match self {
+            UpstreamError::Failed(_) => 502,
+            UpstreamError::Timeout => 504,
+        }
+    }
+
+    pub(crate) fn reason(&self) -> String {
+        match self {
+            UpstreamError::Failed(why) => format!("upstream failed: {why}"),
+            UpstreamError::Timeout => "upstream timed out".into(),
+        }
+    }
+}
+
+/// An upstream answer's head, with its concurrency permit (held while the
+/// body is read).
+pub(crate) struct Answer {
+    pub(crate) response: Response<Incoming>,
+    pub(crate) _permit: OwnedSemaphorePermit,
+}
+
+pub(crate) struct Upstream {
+    client: Client<Connector, Full<Bytes>>,
+    base: String,
+    headers: HeaderMap,
+    limiter: Arc<Semaphore>,
+    retries: u32,
+    backoff: Duration,
+    max_backoff: Duration,
+    pub(crate) timeout: Duration,
+    jitter: foldhash::fast::RandomState,
+    counter: std::sync::atomic::AtomicU64,
+}
+
+impl Upstream {
+    pub(crate) fn new(config: &Config) -> Result<Self, ConfigError> {
+        let uri: http::Uri = config.upstream.parse().map_err(|e| ConfigError::Upstream(format!("{e}")))?;
+        if uri.authority().is_none() {
+            return Err(ConfigError::Upstream("no host".into()));
+        }
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some("https") if cfg!(feature = "tls") => {}
+            Some("https") => return Err(ConfigError::HttpsNeedsTls),
+            _ => return Err(ConfigError::Upstream("the scheme must be http or https".into())),
+        }
+        if config.max_concurrency == 0 {
+            return Err(ConfigError::Limit("max_concurrency"));
+        }
+        let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
+        http.set_connect_timeout(Some(config.upstream_timeout));
+        http.set_nodelay(true);
+        #[cfg(feature = "tls")]
+        let http = {
+            http.enforce_http(false);
+            hyper_rustls::HttpsConnectorBuilder::new()
+                .with_webpki_roots()
+                .https_or_http()
+                .enable_http1()
+                .wrap_connector(http)
+        };
+        let client = Client::builder(TokioExecutor::new())
+            // Idle connections are closed after this (the Python client's
+            // keep-alive expiry): a burst's connections do not stay for good.
+            .pool_idle_timeout(config.pool_idle_timeout)
+            .pool_timer(TokioTimer::new())
+            .build(http);
+        let mut headers = HeaderMap::new();
+        headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        // Relayed bytes are recorded as they are: ask for no content-encoding.
+        headers.insert(http::header::ACCEPT_ENCODING, HeaderValue::from_static("identity"));
+        if let Some(key) = &config.upstream_key {
+            let bearer = HeaderValue::from_str(&format!("Bearer {key}"))
+                .map_err(|_| ConfigError::Upstream("the upstream key must be visible ASCII".into()))?;
+            let plain = HeaderValue::from_str(key)
+                .map_err(|_| ConfigError::Upstream("the upstream key must be visible ASCII".into()))?;
+            headers.insert(http::header::AUTHORIZATION, bearer);
+            headers.insert("x-api-key", plain);
+        }
+        Ok(Upstream {
+            client,
+            base: config.upstream.trim_end_matches('/').to_string(),
+            headers,
+            limiter: Arc::new(Semaphore::new(config.max_concurrency)),
+            retries: config.retries,
+            backoff: config.backoff,
+            max_backoff: config.max_backoff,
+            timeout: config.upstream_timeout,
+            jitter: foldhash::fast::RandomState::default(),
+            counter: std::sync::atomic::AtomicU64::new(0),
+        })
+    }
+
+    /// The upstream URL of an interception path (`/v1/chat/completions` ->
+    /// `{base}/chat/completions`, as the Python client joins them).
+    fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path.strip_prefix("/v1").unwrap_or(path))
+    }
+
+    /// POST `body` to `path` with `extra` headers; connect errors, 429 and
+    /// 5xx are retried up to `retries` times; the last attempt's answer is
+    /// returned whatever its status.  Dropping the future aborts the call.
+    pub(crate) async fn post(&self, path: &str, body: Bytes, extra: &HeaderMap) -> Result<Answer, UpstreamError> {
+        let url = self.url(path);
+        let mut attempt = 0u32;
+        loop {
+            let permit = Arc::clone(&self.limiter).acquire_owned().await.expect("the limiter is never closed");
+            let mut req = Request::builder()
+                .method(Method::POST)
+                .uri(&url)
+                .body(Full::new(body.clone()))
+                .map_err(|e| UpstreamError::Failed(e.to_string()))?;
+            let headers = req.headers_mut();
+            headers.extend(self.headers.iter().map(|(k, v)| (k.clone(), v.clone())));
+            headers.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
+            let delay = match tokio::time::timeout(self.timeout, self.client.request(req)).await {
+                Err(_) => return Err(UpstreamError::Timeout),
+                Ok(Err(e)) if e.is_connect() && attempt < self.retries => self.backoff_delay(attempt),
+                Ok(Err(e)) => return Err(UpstreamError::Failed(error_chain(&e))),
+                Ok(Ok(resp)) if RETRY_STATUSES.contains(&resp.status().as_u16()) && attempt < self.retries => {
+                    retry_after(resp.status(), resp.headers(), self.max_backoff)
+                        .unwrap_or_else(|| self.backoff_delay(attempt))
+                }
+                Ok(Ok(response)) => return Ok(Answer { response, _permit: permit }),
+            };
+            // The permit is released during the backoff (the answer, if any, is dropped).
+            drop(permit);
+            tokio::time::sleep(delay).await;
+            attempt += 1;
+        }
+    }
+
+    /// Full jitter: uniform in `[0, min(max_backoff, backoff * 2^attempt)]`.
+    fn backoff_delay(&self, attempt: u32) -> Duration {
+        use std::hash::BuildHasher;
+        let cap = self.backoff.saturating_mul(1u32 << attempt.min(20)).min(self.max_backoff);
+        let n = self.counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let unit = (self.jitter.hash_one(n) >> 11) as f64 / (1u64 << 53) as f64;
+        cap.mul_f64(unit)
+    }
+}
+
+/// The delay a 429/503's `Retry-After` (delta-seconds) asks for, capped.
+fn retry_after(status: StatusCode, headers: &HeaderMap, cap: Duration) -> Option<Duration> {
+    if status != StatusCode::TOO_MANY_REQUESTS && status != StatusCode::SERVICE_UNAVAILABLE {
+        return None;
+    }
+    let secs: f64 = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?.trim().parse().ok()?;
+    (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs).min(cap))
+}
+
+/// An error and its sources, one line (hyper's top-level message alone is
+/// "client error (Connect)").
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        src = s.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_is_capped_and_only_for_429_503() {
+        let mut h = HeaderMap::new();
+        h.insert(http::header::RETRY_AFTER, HeaderValue::from_static("30"));
+        let cap = Duration::from_secs(8);
+        assert_eq!(retry_after(StatusCode::TOO_MANY_REQUESTS, &h, cap), Some(cap));
+        assert_eq!(retry_after(StatusCode::BAD_GATEWAY, &h, cap), None);
+        h.insert(http::header::RETRY_AFTER, HeaderValue::from_static("0.5"));
+        assert_eq!(retry_after(StatusCode::SERVICE_UNAVAILABLE, &h, cap), Some(Duration::from_millis(500)));
+        h.insert(http::header::RETRY_AFTER, HeaderValue::from_static("soon"));
+        assert_eq!(retry_after(StatusCode::TOO_MANY_REQUESTS, &h, cap), None);
+    }
+}
