@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+
 import httpx
 import orjson
 import pytest
@@ -203,3 +205,19 @@ def test_retry_after_is_parsed_per_rfc_9110(value, expected):
 
     now = 1445412480.0  # Wed, 21 Oct 2015 07:28:00 GMT
     assert parse_retry_after(value, 30.0, now=now) == expected
+
+
+def test_credentials_in_the_base_url_are_sent_as_basic_auth_and_kept_out_of_it():
+    # The client sends straight to its transport, so httpx never turned URL
+    # credentials into a header: a basic-auth gateway answered every call 401.
+    async def fn(h):
+        host = h.upstream_url.removeprefix("http://")
+        async with ModelClient(f"http://us%40er:p%3Ass@{host}", api_key="k") as model:
+            assert "p%3Ass" not in model.base_url and "us%40er" not in model.base_url
+            answer = await model.post("/v1/chat/completions", orjson.dumps(body("chat")))
+        assert answer.status == 200
+        _, headers, _ = h.upstream.received[-1]
+        assert headers["authorization"] == "Basic " + base64.b64encode(b"us@er:p:ss").decode()
+        assert headers["x-api-key"] == "k"
+
+    run(fn)

@@ -24,6 +24,7 @@ runs (see ``shards.py``), which a proxy of large answers cannot afford.
 
 from __future__ import annotations
 
+import base64
 import datetime
 import email.utils
 import time
@@ -97,9 +98,12 @@ class ModelClient:
 
     Args:
         base_url: the server's base URL including ``/v1``, as the OpenAI SDK
-            expects (``http://127.0.0.1:8000/v1``).
-        api_key: sent as ``Authorization: Bearer`` and ``x-api-key``
-            (replacing the agent's per-rollout secret); ``None``: no key.
+            expects (``http://127.0.0.1:8000/v1``).  A ``user:password@`` in
+            it (a gateway behind HTTP basic auth) is sent as
+            ``Authorization: Basic`` and kept out of :attr:`base_url`.
+        api_key: sent as ``Authorization: Bearer`` (unless the URL carries
+            basic credentials, which take that header) and ``x-api-key``,
+            replacing the agent's per-rollout secret; ``None``: no key.
         model: if set, replaces the ``model`` field of every forwarded request.
         max_concurrency: requests in flight at once (the limiter outside httpx).
         max_keepalive: idle connections kept for reuse (default: ``max_concurrency``).
@@ -137,7 +141,15 @@ class ModelClient:
             raise ValueError(f"max_concurrency must be >= 1 and retries >= 0, got {max_concurrency}, {retries}")
         if min(timeout_s, connect_timeout_s, backoff_s, max_backoff_s, keepalive_expiry_s) < 0:
             raise ValueError("times must be >= 0")
-        self.base_url = base_url.rstrip("/")
+        # The client sends straight to its transport (see _send), so httpx never
+        # turns URL credentials into a header: without this they were dropped
+        # and every call to a basic-auth gateway was a 401.
+        parsed_url = httpx.URL(base_url)
+        basic = None
+        if parsed_url.userinfo:
+            # RFC 7617: base64 of "user:password", UTF-8 encoded.
+            basic = "Basic " + base64.b64encode(f"{parsed_url.username}:{parsed_url.password}".encode()).decode()
+        self.base_url = str(parsed_url.copy_with(username=None, password=None)).rstrip("/")
         self.api_key = api_key
         self.model = model
         self.retries = retries
@@ -154,6 +166,8 @@ class ModelClient:
         if api_key:
             self._headers["authorization"] = f"Bearer {api_key}"
             self._headers["x-api-key"] = api_key
+        if basic is not None:
+            self._headers["authorization"] = basic
         self._urls: dict[str, httpx.URL] = {}
         self.requests = 0
         self.retried = 0
