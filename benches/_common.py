@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -76,6 +77,14 @@ def target(value: float, *, max: float | None = None, min: float | None = None) 
         return {"value": value, "max": max, "met": bool(value <= max)}
     assert min is not None
     return {"value": value, "min": min, "met": bool(value >= min)}
+
+
+def params_of(a: argparse.Namespace, *, omit: tuple[str, ...] = (), **extra: object) -> dict:
+    """The ``params`` of :func:`emit`: every parsed flag of ``a`` (after ``--quick``
+    adjusted it) in the order the parser declared them, but the ``omit`` ones (the
+    hidden child-process flags), then ``extra`` (a value given there replaces the
+    flag's own)."""
+    return {k: v for k, v in vars(a).items() if k not in omit} | extra
 
 
 def emit(bench: str, params: dict, results: dict, targets: dict) -> None:

@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import orjson
 import trio
 
-from _common import MIB, emit, progress, settle_and_sample, slope_bytes_per_rollout, target
+from _common import MIB, emit, params_of, progress, settle_and_sample, slope_bytes_per_rollout, target
 from _common import pid_rss_bytes as _rss
 from lowwater import plugins as plugins_mod
 from lowwater.assembly import EngineConfig
@@ -243,15 +243,7 @@ def main() -> None:
     results["peak_over_live_set_ratio"] = (
         results["peak_over_baseline_mb"] / results["live_set_mb"] if results["live_set_mb"] else 0.0
     )
-    params = {
-        "quick": a.quick,
-        "workers": a.workers,
-        "concurrency": a.concurrency,
-        "turns": a.turns,
-        "image_kb": a.image_kb,
-        "rollouts": a.rollouts,
-        "sample_every": a.sample_every,
-    }
+    params = params_of(a)
     targets = {
         "peak_over_live_set_ratio": target(results["peak_over_live_set_ratio"], max=3.0),
         "resting_over_baseline_mb": target(results["resting_over_baseline_mb"], max=16.0),

@@ -63,39 +63,23 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import MIB, emit, progress, rss_bytes, target
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+from _common import MIB, emit, params_of, progress, rss_bytes, target
+from _gsm8k import DATA, add_replay_flags, eval_cmd, labels, replay_model
 
 
 def lowwater_run(name: str, a: argparse.Namespace, out_dir: Path) -> dict:
     harness = name.split("_")[0]
     out, summary = out_dir / f"{name}.jsonl", out_dir / f"{name}.summary.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "lowwater",
-        "eval",
-        "gsm8k",
-        "--data",
-        str(DATA / "test.jsonl"),
-        "--model",
-        f"replay:{DATA / 'example_model_solutions.jsonl'}#{a.column}",
-        "-n",
-        str(a.tasks),
-        "-c",
-        str(a.concurrency),
+    cmd = eval_cmd(
+        a,
+        out,
+        summary,
         "--harness",
         harness,
-        "--out",
-        str(out),
-        "--summary-json",
-        str(summary),
-        "--no-progress",
         "--max-error-rate",  # errors are counted in the results (and fail the agreement target), not fatal
         "1",
         *(["--no-samples"] if name.endswith("_nosamples") else []),
-    ]
+    )
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
         tree_peak = eval_tree_peak = 0
@@ -149,16 +133,13 @@ def tree_rss_bytes(pid: int) -> tuple[int, int]:
 
 def agreement(out: Path, a: argparse.Namespace) -> dict:
     """Rows whose ``metrics.correct`` equals the recorded ``is_correct`` label."""
-    labels = []
-    with open(DATA / "example_model_solutions.jsonl", "rb") as f:
-        for _, line in zip(range(a.tasks), f):
-            labels.append(json.loads(line)[a.column]["is_correct"])
+    recorded = labels(a.column, a.tasks)
     rows = [row for row in map(json.loads, out.read_text().splitlines()) if "type" not in row]  # no header, summary
     by_task = {r["task_id"]: r for r in rows}
     disagree = [
-        i for i, label in enumerate(labels) if bool(by_task.get(i, {}).get("metrics", {}).get("correct")) != label
+        i for i, label in enumerate(recorded) if bool(by_task.get(i, {}).get("metrics", {}).get("correct")) != label
     ]
-    return {"rows": len(rows), "agree": len(labels) - len(disagree), "disagreeing_tasks": disagree[:20]}
+    return {"rows": len(rows), "agree": len(recorded) - len(disagree), "disagreeing_tasks": disagree[:20]}
 
 
 def direct_child(a: argparse.Namespace) -> None:
@@ -176,7 +157,7 @@ def direct_child(a: argparse.Namespace) -> None:
     with open(DATA / "test.jsonl", "rb") as f:
         for _, line in zip(range(a.tasks), f):
             questions.append(json.loads(line)["question"])
-    spec = parse_model(f"replay:{DATA / 'example_model_solutions.jsonl'}#{a.column}")
+    spec = parse_model(replay_model(a.column))
     baseline = rss_bytes()
     samples = [baseline]
 
@@ -230,9 +211,7 @@ def direct_child(a: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="64 tasks: a smoke run")
-    p.add_argument("--tasks", type=int, default=1319, help="GSM8K test problems, from the first (default all 1319)")
-    p.add_argument("--concurrency", type=int, default=32, help="rollouts (direct: tool loops) in flight (default 32)")
-    p.add_argument("--column", default="175b_verification", help="recorded solutions to replay")
+    add_replay_flags(p, concurrency_help="rollouts (direct: tool loops) in flight (default 32)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; walls are medians (default 2)")
     p.add_argument("--direct-child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -310,7 +289,7 @@ def main() -> None:
         results[f"inprocess_samples_{figure}_over_nosamples_mb"] = (
             results[f"inprocess_rss_{figure}_mb"] - results[f"inprocess_nosamples_rss_{figure}_mb"]
         )
-    params = {"quick": a.quick, "tasks": a.tasks, "concurrency": a.concurrency, "column": a.column, "rounds": a.rounds}
+    params = params_of(a, omit=("direct_child",))
     limits = {
         "inprocess_vs_direct_ratio": {"max": 2.5},
         "program_vs_direct_ratio": {"max": 4.0},

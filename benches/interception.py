@@ -50,7 +50,7 @@ import orjson
 import trio
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import MIB, emit, progress, rss_bytes, target
+from _common import MIB, emit, params_of, progress, rss_bytes, target
 
 ADMIN_KEY = "bench-admin"
 # The proxy's entry point (a variable so a diagnostic driver can wrap it).
@@ -238,42 +238,41 @@ def auth(rollout: dict | None) -> bytes:
 # --- phases ---------------------------------------------------------------------------
 
 
-async def latency_round(direct: Target, through: Target, rollout: dict, calls: int) -> dict[str, list[float]]:
-    """``calls`` sequential calls each way, alternating one direct and one
-    through the proxy, so both series see the same moments of a noisy host
-    (blocks of 1000 each way put host slowdowns on one side: added p50 read
-    2.18 and 3.04 ms in two runs an hour apart)."""
-    sides = {
-        "direct": (Conn(direct.host, direct.port), direct.path, auth(None)),
-        "proxy": (Conn(through.host, through.port), through.path, auth(rollout)),
-    }
-    out: dict[str, list[float]] = {"direct": [], "proxy": []}
-    for i in range(calls + 5):
-        for side, (conn, path, headers) in sides.items():
-            t0 = time.perf_counter()
-            status, _ = await conn.request("POST", path, REQUEST, headers)
-            if i >= 5:  # the first calls warm the connections
-                out[side].append((time.perf_counter() - t0) * 1000)
-            assert status == 200, status
-    for conn, _, _ in sides.values():
-        await conn.aclose()
-    return out
-
-
-async def pair_round(sides: dict[str, tuple[Target, dict]], calls: int) -> dict[str, list[float]]:
-    """Like :func:`latency_round` for two proxies, each with its own rollout."""
+async def alternating_round(sides: dict[str, tuple[Target, dict | None]], calls: int) -> dict[str, list[float]]:
+    """``calls`` sequential calls per side (ms each), alternating call by call
+    between the sides (each ``(target, rollout or None for no proxy)``), so
+    every series sees the same moments of a noisy host (blocks of 1000 each
+    way put host slowdowns on one side: added p50 read 2.18 and 3.04 ms in two
+    runs an hour apart)."""
     conns = {k: (Conn(t.host, t.port), t.path, auth(r)) for k, (t, r) in sides.items()}
     out: dict[str, list[float]] = {k: [] for k in sides}
     for i in range(calls + 5):
         for side, (conn, path, headers) in conns.items():
             t0 = time.perf_counter()
             status, _ = await conn.request("POST", path, REQUEST, headers)
-            if i >= 5:
+            if i >= 5:  # the first calls warm the connections
                 out[side].append((time.perf_counter() - t0) * 1000)
             assert status == 200, status
     for conn, _, _ in conns.values():
         await conn.aclose()
     return out
+
+
+async def latency_percentiles(sides: dict[str, tuple[str, bool]], rounds: int, calls: int) -> dict[str, list[float]]:
+    """Per side ``(base url, is a proxy)``, the 99 percentiles (ms; ``[49]`` is
+    p50, ``[98]`` p99) of ``calls`` alternating chat calls, made in ``rounds``
+    rounds on fresh connections; on a proxy through one rollout, opened first
+    and closed after."""
+    rollouts = {side: (await open_rollouts(url, 1))[0] if proxy else None for side, (url, proxy) in sides.items()}
+    targets = {side: (Target(url, "/v1/chat/completions"), rollouts[side]) for side, (url, _) in sides.items()}
+    lat: dict[str, list[float]] = {side: [] for side in sides}
+    for _ in range(rounds):
+        for side, times in (await alternating_round(targets, calls // rounds)).items():
+            lat[side] += times
+    for side, (url, proxy) in sides.items():
+        if proxy:
+            await close_rollouts(url, [rollouts[side]])
+    return {k: statistics.quantiles(v, n=100) for k, v in lat.items()}
 
 
 async def throughput_round(target: Target, rollouts: list[dict | None], calls_per_worker: int) -> float:
@@ -553,22 +552,11 @@ def main() -> None:
                 await interceptor_phase()
 
         async def interceptor_phase() -> None:
-            (plain,) = await open_rollouts(proxy_url, 1)
-            (hooked_one,) = await open_rollouts(hooked_url, 1)
-            sides = {
-                "plain": (Target(proxy_url, "/v1/chat/completions"), plain),
-                "hooked": (Target(hooked_url, "/v1/chat/completions"), hooked_one),
-            }
             progress(
                 f"interceptor: {a.rounds} x {a.latency_calls // a.rounds} calls each way, no hook vs trivial hooks"
             )
-            lat: dict[str, list[float]] = {"plain": [], "hooked": []}
-            for _ in range(a.rounds):
-                for side, times in (await pair_round(sides, a.latency_calls // a.rounds)).items():
-                    lat[side] += times
-            await close_rollouts(proxy_url, [plain])
-            await close_rollouts(hooked_url, [hooked_one])
-            q = {k: statistics.quantiles(v, n=100) for k, v in lat.items()}
+            sides = {"plain": (proxy_url, True), "hooked": (hooked_url, True)}
+            q = await latency_percentiles(sides, a.rounds, a.latency_calls)
             results.update(
                 {
                     "no_interceptor_p50_ms": q["plain"][49],
@@ -579,18 +567,11 @@ def main() -> None:
             )
 
         async def latency_phase() -> None:
-            direct = Target(model_url, "/v1/chat/completions")
-            through = Target(proxy_url, "/v1/chat/completions")
-            (one,) = await open_rollouts(proxy_url, 1)
             progress(
                 f"latency: {a.rounds} x {a.latency_calls // a.rounds} sequential calls each way, alternating call by call"
             )
-            lat = {"direct": [], "proxy": []}
-            for _ in range(a.rounds):
-                for side, times in (await latency_round(direct, through, one, a.latency_calls // a.rounds)).items():
-                    lat[side] += times
-            await close_rollouts(proxy_url, [one])
-            q = {k: statistics.quantiles(v, n=100) for k, v in lat.items()}
+            sides = {"direct": (model_url, False), "proxy": (proxy_url, True)}
+            q = await latency_percentiles(sides, a.rounds, a.latency_calls)
             results.update(
                 {
                     "direct_p50_ms": q["direct"][49],
@@ -632,18 +613,14 @@ def main() -> None:
         for proc in (hooked, gated, gate, proxy, model):
             if proc is not None:
                 stop(proc)
-    params = {
-        "quick": a.quick,
-        "latency_calls": a.latency_calls,
-        "concurrency": a.concurrency,
-        "calls_per_worker": a.calls_per_worker,
-        "rounds": a.rounds,
-        "rollouts": a.rollouts,
-        "phases": sorted(phases),
-        "request_bytes": len(REQUEST),
-        "cores": os.cpu_count(),
-        "pythonmalloc": a.pythonmalloc or "default (pymalloc)",
-    }
+    params = params_of(
+        a,
+        omit=("gate_child",),
+        phases=sorted(phases),
+        request_bytes=len(REQUEST),
+        cores=os.cpu_count(),
+        pythonmalloc=a.pythonmalloc or "default (pymalloc)",
+    )
     limits = {
         "added_p50_ms": {"max": 3.0},
         "throughput_ratio": {"min": 0.4},

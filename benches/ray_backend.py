@@ -46,9 +46,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import MIB, emit, pid_rss_bytes, progress, rss_bytes, slope_bytes_per_rollout, target
+from _common import MIB, emit, params_of, pid_rss_bytes, progress, rss_bytes, slope_bytes_per_rollout, target
+from _gsm8k import DATA, add_replay_flags, eval_cmd, labels
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 SHARD_BYTES = 64 << 20
 ENV = {"RAY_AUTH_MODE": "disabled", "LOWWATER_ADMIN_KEY": "bench-ray-backend"}
 
@@ -58,43 +58,16 @@ ENV = {"RAY_AUTH_MODE": "disabled", "LOWWATER_ADMIN_KEY": "bench-ray-backend"}
 
 def eval_run(a: argparse.Namespace, out_dir: Path, backend: str, address: str | None) -> dict:
     out, summary = out_dir / f"{backend}.jsonl", out_dir / f"{backend}.summary.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "lowwater",
-        "eval",
-        "gsm8k",
-        "--data",
-        str(DATA / "test.jsonl"),
-        "--model",
-        f"replay:{DATA / 'example_model_solutions.jsonl'}#{a.column}",
-        "-n",
-        str(a.tasks),
-        "-c",
-        str(a.concurrency),
-        "--out",
-        str(out),
-        "--summary-json",
-        str(summary),
-        "--no-progress",
-        "--no-samples",
-        "--backend",
-        backend,
-        "--workers",
-        "1" if backend == "ray" else "2",
-    ]
+    cmd = eval_cmd(a, out, summary, "--no-samples", "--backend", backend, "--workers", "1" if backend == "ray" else "2")
     if backend == "ray":
         cmd += ["--address", address or "", "--bind", "0.0.0.0"]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **ENV})
     if done.returncode != 0:
         sys.exit(f"lowwater eval --backend {backend} failed:\n{done.stderr[-3000:]}")
-    labels = []
-    with open(DATA / "example_model_solutions.jsonl", "rb") as f:
-        for _, line in zip(range(a.tasks), f):
-            labels.append(json.loads(line)[a.column]["is_correct"])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     by_task = {r["task_id"]: r for r in rows if "rollout_id" in r}
-    agree = sum(bool(by_task.get(i, {}).get("metrics", {}).get("correct")) == label for i, label in enumerate(labels))
+    recorded = labels(a.column, a.tasks)
+    agree = sum(bool(by_task.get(i, {}).get("metrics", {}).get("correct")) == label for i, label in enumerate(recorded))
     return {"summary": json.loads(summary.read_text()), "agreement": agree / a.tasks}
 
 
@@ -267,9 +240,7 @@ def daemons_pss_bytes(cluster) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="64 tasks, 20 steps, 2 rounds: a smoke run")
-    p.add_argument("--tasks", type=int, default=1319, help="GSM8K test problems, from the first (default all 1319)")
-    p.add_argument("--concurrency", type=int, default=32, help="rollouts in flight (default 32)")
-    p.add_argument("--column", default="175b_verification", help="recorded solutions to replay")
+    add_replay_flags(p, concurrency_help="rollouts in flight (default 32)")
     p.add_argument("--steps", type=int, default=200, help="trainer steps over Ray (default 200)")
     p.add_argument("--rounds", type=int, default=5, help="64 MiB fetches per path; medians (default 5)")
     p.add_argument("--http-child", nargs=3, help=argparse.SUPPRESS)
@@ -363,15 +334,7 @@ def main() -> None:
     }
     if "ray_vs_local_rollouts_per_s_ratio" in results:
         targets["ray_vs_local_rollouts_per_s_ratio"] = target(results["ray_vs_local_rollouts_per_s_ratio"], min=0.7)
-    params = {
-        "quick": a.quick,
-        "tasks": a.tasks,
-        "concurrency": a.concurrency,
-        "column": a.column,
-        "steps": a.steps,
-        "rounds": a.rounds,
-        "gsm8k_data": has_data,
-    }
+    params = params_of(a, omit=("http_child",), gsm8k_data=has_data)
     emit("ray_backend", params, results, targets)
 
 

@@ -41,11 +41,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 import psutil
 import trio
 
-from _common import MIB, emit, progress, target
+from _common import MIB, emit, params_of, progress, target
+from _gsm8k import DATA
 from lowwater.runtime import RuntimeConfig, RuntimePool, SubprocessRuntime
 
 SCRIPT = Path(__file__).with_name("scoring_script.py")
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 MODELS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
 
 
@@ -177,15 +177,7 @@ def main() -> None:
     if a.quick:
         a.rollouts, a.concurrency = 24, 16
     results, targets = trio.run(bench, a)
-    params = {
-        "quick": a.quick,
-        "rollouts": a.rollouts,
-        "concurrency": a.concurrency,
-        "cold_processes": a.cold_processes,
-        "warm_runtimes": a.warm_runtimes,
-        "cores": cores,
-    }
-    emit("scoring", params, results, targets)
+    emit("scoring", params_of(a, omit=("data",), cores=cores), results, targets)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import lowwater
-from _common import MIB, emit, progress, rss_bytes, target
+from _common import MIB, emit, params_of, progress, rss_bytes, target
 
 
 class LockedDict:
@@ -222,16 +222,7 @@ def main() -> None:
         "large_vs_small_view_ratio": target(results["large_vs_small_view_ratio"], max=3.0),
         "rss_resting_over_baseline_mb": target(results["rss_resting_over_baseline_mb"], max=16.0),
     }
-    params = {
-        "quick": a.quick,
-        "small_bytes": a.small_bytes,
-        "ops": a.ops,
-        "rounds": a.rounds,
-        "large_mib": a.large_mib,
-        "total_mib": a.total_mib,
-        "shard_mib": a.shard_mib,
-    }
-    emit("tables", params, results, targets)
+    emit("tables", params_of(a, omit=("rss_child",)), results, targets)
 
 
 if __name__ == "__main__":

@@ -33,9 +33,10 @@ import orjson
 import trio
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import MIB, emit, progress, rss_bytes, target
+from _common import MIB, emit, params_of, progress, rss_bytes, target
 from lowwater.http import serve
-from lowwater.trainer.shards import ShardConsumer, ShardRef, ShardStore, clear_batch
+from lowwater.trainer.drain import clear_batch
+from lowwater.trainer.shards import ShardConsumer, ShardRef, ShardStore
 
 
 async def consumer_main() -> None:
@@ -187,14 +188,8 @@ def main() -> None:
         # The bench can fail: without the drain, consumers grow by about a step's bytes.
         "no_drain_slope_to_step_bytes_ratio": target(results["no_drain_slope_to_step_bytes_ratio"], min=0.5),
     }
-    params = {
-        "quick": a.quick,
-        "steps": a.steps,
-        "groups": a.groups,
-        "rollouts": a.rollouts,
-        "seq": a.seq,
-        "consumers": a.consumers,
-    }
+    # --seed stays out of params, as before: the keys stay those of the recorded runs.
+    params = params_of(a, omit=("seed", "consumer"))
     series = {
         "drain_rss_per_step_mb": with_drain["rss_per_step_mb"],
         "no_drain_rss_per_step_mb": without["rss_per_step_mb"],

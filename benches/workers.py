@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import psutil
 import trio
 
-from _common import MIB, emit, progress, settle_and_sample, slope_bytes_per_rollout, target
+from _common import MIB, emit, params_of, progress, settle_and_sample, slope_bytes_per_rollout, target
 from _common import pid_rss_bytes as _rss
 from lowwater.workers import JobSpec, WorkerJob, WorkerPool
 
@@ -273,18 +273,7 @@ def main() -> None:
     if a.quick:
         a.rollouts, a.turns, a.image_kb, a.sample_every, a.start_workers = 24, 6, 32, 4, 2
     results, targets = trio.run(bench, a)
-    params = {
-        "quick": a.quick,
-        "workers": a.workers,
-        "concurrency": a.concurrency,
-        "turns": a.turns,
-        "image_kb": a.image_kb,
-        "turn_s": a.turn_s,
-        "rollouts": a.rollouts,
-        "sample_every": a.sample_every,
-        "start_workers": a.start_workers,
-    }
-    emit("workers", params, results, targets)
+    emit("workers", params_of(a), results, targets)
 
 
 if __name__ == "__main__":
