@@ -1,7 +1,8 @@
 """FetchBuffer: API contract of ``lowwater._native`` (example-based tests).
 
 The model-based checks live in ``test_fetch_buffer_stateful.py``; the threaded
-ones in ``test_threads.py``; RSS in ``test_rss.py``.
+ones in ``test_threads.py``; RSS in ``test_rss.py``; what both tables do alike
+(construction, the fresh stats) in ``test_tables.py``.
 """
 
 from __future__ import annotations
@@ -17,11 +18,9 @@ import lowwater
 from lowwater import _native
 from lowwater._native import BufferFull, FetchBuffer, ShardView
 
-FETCH_KEYS = {"entries", "bytes", "peak_bytes", "live_bytes", "inserts", "hits", "misses", "removals", "rejected"}
-PAGE = 4096
+from ._tables import FETCH_KEYS, NP_DTYPE
 
-# numpy dtype for each supported name (bfloat16 has no numpy type: same width as uint16).
-NP_DTYPE = {name: ("uint16" if name == "bfloat16" else name) for name in _native.DTYPES}
+PAGE = 4096
 
 
 def array_of(view) -> np.ndarray:
@@ -86,26 +85,7 @@ def test_dtypes_table():
 # --------------------------------------------------------------------------- construction
 
 
-def test_constructor_defaults_and_validation():
-    fb = FetchBuffer()
-    assert fb.capacity_bytes is None and fb.mmap_threshold == 1 << 20
-    fb = FetchBuffer(capacity_bytes=0, mmap_threshold=0)
-    assert fb.capacity_bytes == 0 and fb.mmap_threshold == 0
-    with pytest.raises(ValueError):
-        FetchBuffer(capacity_bytes=-1)
-    with pytest.raises(ValueError):
-        FetchBuffer(mmap_threshold=-1)
-
-
-def test_fresh_stats_keys_are_exactly_documented():
-    fb = FetchBuffer()
-    st = fb.stats()
-    assert set(st) == FETCH_KEYS
-    assert all(type(v) is int and v == 0 for v in st.values())
-    assert len(fb) == 0 and fb.keys() == []
-    # A fresh dict each call (callers may keep one as a snapshot).
-    st["entries"] = 99
-    assert fb.stats()["entries"] == 0
+# Construction and the fresh stats: test_tables.py (both tables alike).
 
 
 # --------------------------------------------------------------------------- put / get / pop

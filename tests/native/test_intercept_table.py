@@ -1,6 +1,7 @@
 """InterceptTable: API contract of ``lowwater._native`` (example-based tests).
 
-The model-based checks live in ``test_intercept_table_stateful.py``.
+The model-based checks live in ``test_intercept_table_stateful.py``; what both
+tables do alike (construction, the fresh stats) in ``test_tables.py``.
 """
 
 from __future__ import annotations
@@ -14,17 +15,8 @@ import pytest
 import lowwater
 from lowwater._native import BufferFull, InterceptTable, InterceptView, RolloutClosed
 
-INTERCEPT_KEYS = {
-    "entries",
-    "bytes",
-    "peak_bytes",
-    "live_bytes",
-    "open_rollouts",
-    "inserts",
-    "discards",
-    "swept",
-    "rejected",
-}
+from ._tables import INTERCEPT_KEYS
+
 PAGE = 4096
 
 
@@ -32,23 +24,7 @@ def data_ptr(obj) -> int:
     return np.frombuffer(obj, np.uint8).__array_interface__["data"][0]
 
 
-def test_constructor_defaults_and_validation():
-    t = InterceptTable()
-    assert t.capacity_bytes is None and t.mmap_threshold == 1 << 20
-    t = InterceptTable(capacity_bytes=10, mmap_threshold=PAGE)
-    assert t.capacity_bytes == 10 and t.mmap_threshold == PAGE
-    with pytest.raises(ValueError):
-        InterceptTable(capacity_bytes=-1)
-    with pytest.raises(ValueError):
-        InterceptTable(mmap_threshold=-5)
-
-
-def test_fresh_stats_keys_are_exactly_documented():
-    t = InterceptTable()
-    st = t.stats()
-    assert set(st) == INTERCEPT_KEYS
-    assert all(type(v) is int and v == 0 for v in st.values())
-    assert len(t) == 0 and t.keys() == []
+# Construction and the fresh stats: test_tables.py (both tables alike).
 
 
 @pytest.mark.parametrize("threshold", [PAGE, 1 << 20])

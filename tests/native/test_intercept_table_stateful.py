@@ -13,27 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import hypothesis.strategies as st
-import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import invariant, rule
 
 from lowwater._native import BufferFull, InterceptTable, InterceptView, RolloutClosed
 
+from ._tables import INPUT_KINDS, INTERCEPT_KEYS, MACHINE_SETTINGS, SIZE_KINDS, Held, TableMachine, as_input
+
 REQS = ["q0", "q1", "q2", "q3", "q4"]
 ROLLOUTS = ["r0", "r1", "r2"]
-INTERCEPT_KEYS = {
-    "entries",
-    "bytes",
-    "peak_bytes",
-    "live_bytes",
-    "open_rollouts",
-    "inserts",
-    "discards",
-    "swept",
-    "rejected",
-}
-MAX_VIEWS = 8
 
 
 @dataclass
@@ -45,52 +33,17 @@ class Entry:
     stream: bool
 
 
-@dataclass
-class Held:
-    obj: object  # an InterceptView or a numpy array made from one
-    request_id: str
-    entry: Entry
+class InterceptTableMachine(TableMachine):
+    table_class = InterceptTable
+    stats_keys = INTERCEPT_KEYS
+    probe_keys = REQS + ["zz"]
 
-
-def body_bytes(serial: int, n: int) -> bytes:
-    if n == 0:
-        return b""
-    head = np.random.default_rng(serial).bytes(min(n, 64))
-    return (head * (n // len(head) + 1))[:n]
-
-
-class InterceptTableMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.t: InterceptTable | None = None
         self.open: set[str] = set()
-        self.model: dict[str, Entry] = {}
-        self.held: list[Held] = []
-        self.serial = 0
         self.c = dict.fromkeys(["peak_bytes", "inserts", "discards", "swept", "rejected"], 0)
 
-    @initialize(
-        threshold=st.sampled_from([4096, 4096, 1 << 20]),
-        capacity=st.sampled_from(["none", "none", "tiny", "two_large"]),
-    )
-    def setup(self, threshold, capacity):
-        self.threshold = threshold
-        self.capacity = {"none": None, "tiny": 200, "two_large": 2 * threshold + 300}[capacity]
-        if threshold == 1 << 20 and self.capacity is None:
-            self.t = InterceptTable()
-        else:
-            self.t = InterceptTable(capacity_bytes=self.capacity, mmap_threshold=threshold)
-
     # ---------------------------------------------------------------- helpers
-
-    @property
-    def held_bytes(self) -> int:
-        return sum(len(e.data) for e in self.model.values())
-
-    def expected_live(self) -> int:
-        alive = {e.token: len(e.data) for e in self.model.values()}
-        alive.update((h.entry.token, len(h.entry.data)) for h in self.held)
-        return sum(alive.values())
 
     def check_view(self, v, request_id: str, e: Entry) -> None:
         assert isinstance(v, InterceptView)
@@ -98,6 +51,18 @@ class InterceptTableMachine(RuleBasedStateMachine):
         assert v.nbytes == len(v) == len(e.data)
         assert bytes(v) == e.data
         assert v.age_s >= 0.0
+
+    def expected_stats(self) -> dict[str, int]:
+        return {**super().expected_stats(), "open_rollouts": len(self.open)}
+
+    def check_stats(self, got: dict[str, int]) -> None:
+        assert got["inserts"] - got["discards"] - got["swept"] == got["entries"]
+        if self.capacity is not None:
+            assert got["peak_bytes"] <= self.capacity
+
+    def check_held(self, h: Held) -> None:
+        if isinstance(h.obj, InterceptView):
+            assert h.obj.request_id == h.key
 
     # ---------------------------------------------------------------- rules
 
@@ -124,35 +89,16 @@ class InterceptTableMachine(RuleBasedStateMachine):
     @rule(
         request_id=st.sampled_from(REQS),
         rollout=st.sampled_from(ROLLOUTS),
-        size_kind=st.sampled_from(["zero", "small", "below", "at", "above"]),
+        size_kind=st.sampled_from(SIZE_KINDS),
         jitter=st.integers(0, 1 << 16),
-        kind=st.sampled_from(["bytes", "bytearray", "memoryview", "numpy", "strided"]),
+        kind=st.sampled_from(INPUT_KINDS),
         protocol=st.sampled_from(["openai-chat", "anthropic", ""]),
         stream=st.booleans(),
     )
     def insert(self, request_id, rollout, size_kind, jitter, kind, protocol, stream):
-        t = self.threshold
-        n = {
-            "zero": 0,
-            "small": 1 + jitter % 64,
-            "below": t - 1 - jitter % 16,
-            "at": t,
-            "above": t + 1 + jitter % 3000,
-        }[size_kind]
-        self.serial += 1
-        data = body_bytes(self.serial, n)
-        if kind == "bytes":
-            body = data
-        elif kind == "bytearray":
-            body = bytearray(data)
-        elif kind == "memoryview":
-            body = memoryview(data)
-        elif kind == "numpy":
-            body = np.frombuffer(data, np.uint8)
-        else:
-            big = np.zeros(2 * n, np.uint8)
-            big[1::2] = np.frombuffer(data, np.uint8)
-            body = big[1::2]
+        n = self.nbytes_for(size_kind, jitter)
+        data = self.next_payload(n)
+        body = as_input(data, "uint8", (n,), kind)
         before = self.held_bytes
 
         def call():
@@ -198,55 +144,14 @@ class InterceptTableMachine(RuleBasedStateMachine):
             return
         self.check_view(v, request_id, e)
         if keep:
-            if len(self.held) >= MAX_VIEWS:
-                self.held.pop(0)
-            self.held.append(Held(np.frombuffer(v, np.uint8) if as_array else v, request_id, e))
-
-    @precondition(lambda self: self.held)
-    @rule(data=st.data())
-    def drop_one_view(self, data):
-        i = data.draw(st.integers(0, len(self.held) - 1))
-        live_before = self.t.stats()["live_bytes"]
-        gone = self.held.pop(i)
-        still = {h.entry.token for h in self.held} | {e.token for e in self.model.values()}
-        freed = 0 if gone.entry.token in still else len(gone.entry.data)
-        del gone
-        assert self.t.stats()["live_bytes"] == live_before - freed
-
-    @precondition(lambda self: self.held)
-    @rule()
-    def drop_all_views(self):
-        self.held.clear()
-        s = self.t.stats()
-        assert s["live_bytes"] == s["bytes"] == self.held_bytes
+            self.keep(v, request_id, e, as_array)
 
     # ---------------------------------------------------------------- invariants
 
     @invariant()
-    def stats_match_model(self):
+    def rollouts_match_model(self):
         if self.t is None:
             return
-        got = self.t.stats()
-        assert set(got) == INTERCEPT_KEYS
-        want = dict(self.c)
-        want["entries"] = len(self.model)
-        want["bytes"] = self.held_bytes
-        want["live_bytes"] = self.expected_live()
-        want["open_rollouts"] = len(self.open)
-        assert got == want
-        assert got["inserts"] - got["discards"] - got["swept"] == got["entries"]
-        if self.capacity is not None:
-            assert got["peak_bytes"] <= self.capacity
-
-    @invariant()
-    def membership_matches_model(self):
-        if self.t is None:
-            return
-        assert len(self.t) == len(self.model)
-        keys = self.t.keys()
-        assert len(keys) == len(set(keys)) and set(keys) == set(self.model)
-        for q in REQS + ["zz"]:
-            assert (q in self.t) == (q in self.model)
         for r in ROLLOUTS + ["never"]:
             assert self.t.is_open(r) == (r in self.open)
             got = self.t.rollout_requests(r)
@@ -255,19 +160,6 @@ class InterceptTableMachine(RuleBasedStateMachine):
         assert self.t.stale(3600.0) == []
         assert set(self.t.stale(0.0)) <= set(self.model)
 
-    @invariant()
-    def held_views_unchanged(self):
-        for h in self.held:
-            if isinstance(h.obj, InterceptView):
-                assert bytes(h.obj) == h.entry.data and h.obj.request_id == h.request_id
-            else:
-                assert h.obj.tobytes() == h.entry.data
 
-
-InterceptTableMachine.TestCase.settings = settings(
-    max_examples=200,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+InterceptTableMachine.TestCase.settings = MACHINE_SETTINGS
 TestInterceptTableStateful = InterceptTableMachine.TestCase
