@@ -26,18 +26,26 @@ def _rows(path: Path) -> list[dict]:
     return [r for r in rows if "rollout_id" in r]
 
 
+def _ray_eval(cluster, out: Path, **overrides) -> EvalConfig:
+    """An eval of 64 rollouts, 8 at a time, on the ray backend of ``cluster``
+    (one worker per node pool, served on every interface), rows to ``out``,
+    no transcripts; ``overrides`` replace any of those."""
+    fields = {
+        "rollouts": 64,
+        "concurrency": 8,
+        "workers": 1,
+        "backend": "ray",
+        "address": cluster.address,
+        "bind": "0.0.0.0",
+        "out": out,
+        "samples": False,
+    }
+    return EvalConfig(**(fields | overrides))
+
+
 def test_64_arithmetic_rollouts_over_two_node_pools(ray_cluster, admin_key, tmp_path):
     out = tmp_path / "r.jsonl"
-    config = EvalConfig(
-        rollouts=64,
-        concurrency=8,
-        workers=1,
-        backend="ray",
-        address=ray_cluster.address,
-        bind="0.0.0.0",
-        out=out,
-        samples=False,
-    )
+    config = _ray_eval(ray_cluster, out)
     report = trio.run(lambda: run_eval(config))
     rows = _rows(out)
     assert Counter(r["task_id"] for r in rows) == Counter(range(64))  # one row per task
@@ -82,16 +90,7 @@ def test_a_node_pool_sigkilled_mid_eval_leaves_one_row_per_task(ray_cluster, adm
             os.kill(pids[0], signal.SIGKILL)
             killed.append(pids[0])
 
-    config = EvalConfig(
-        rollouts=64,
-        concurrency=8,
-        workers=1,
-        backend="ray",
-        address=ray_cluster.address,
-        bind="0.0.0.0",
-        out=out,
-        samples=False,
-    )
+    config = _ray_eval(ray_cluster, out)
     report = trio.run(lambda: run_eval(config, on_progress=on_progress))
     rows = _rows(out)
     assert killed
@@ -110,18 +109,14 @@ def test_gsm8k_replay_rows_through_ray_agree_with_the_labels(ray_cluster, admin_
 
     tasks, column = 64, "175b_verification"
     out = tmp_path / "gsm8k.jsonl"
-    config = EvalConfig(
+    config = _ray_eval(
+        ray_cluster,
+        out,
         env="gsm8k",
         env_options={"data": str(DATA / "test.jsonl"), "seed": 0},
         model=parse_model(f"replay:{DATA / 'example_model_solutions.jsonl'}#{column}"),
         rollouts=tasks,
         concurrency=16,
-        workers=1,
-        backend="ray",
-        address=ray_cluster.address,
-        bind="0.0.0.0",
-        out=out,
-        samples=False,
     )
     report = trio.run(lambda: run_eval(config))
     labels = []
