@@ -72,3 +72,16 @@ def program_needs_harness(instance: Any, _attribute: Any, value: Any) -> None:
         raise ValueError(f"program must be a non-empty command line, not {value!r}")
     if instance.harness != "program":
         raise ValueError("--program runs the agent as a program: give --harness program with it")
+
+
+def backend_needs_workers(backend: str, workers: str) -> Validator:
+    """A worker backend other than ``"local"`` only with ``workers >= 1`` (a
+    ``ValueError`` otherwise); ``backend`` is how the message names the
+    setting (``{}`` stands for its value), ``workers`` how it asks for workers."""
+
+    def check(instance: Any, _attribute: Any, value: Any) -> None:
+        if value != "local" and instance.workers < 1:
+            named = backend.format(value)
+            raise ValueError(f"{named} runs env workers: give {workers} (worker processes per node)")
+
+    return check

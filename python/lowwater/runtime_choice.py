@@ -34,9 +34,12 @@ DEFAULT_RUNTIME = "subprocess"
 __all__ = ["DEFAULT_RUNTIME", "choose_runtime", "freeze", "parse_options"]
 
 
-def parse_options(items: Iterable[str], flag: str = "--runtime-option") -> dict[str, Any]:
-    """``KEY=VALUE`` items as a dict; ``VALUE`` is JSON when it parses as JSON
-    (``cpus=2`` is the int 2, ``image=python:3.12`` the string), else the string.
+def parse_options(items: Iterable[str], flag: str = "--runtime-option", *, json: bool = True) -> dict[str, Any]:
+    """``KEY=VALUE`` items (``--runtime-option``, ``-S``, ``--env-option``) as
+    a dict; with ``json``, ``VALUE`` is JSON when it parses as JSON
+    (``cpus=2`` is the int 2, ``image=python:3.12`` the string), else the
+    string; without, always the string (an environment's factory converts
+    its own options).
 
     Raises:
         ValueError: an item without ``=`` or with an empty key (names ``flag``).
@@ -45,7 +48,11 @@ def parse_options(items: Iterable[str], flag: str = "--runtime-option") -> dict[
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE (VALUE is JSON, else a string)")
+            hint = " (VALUE is JSON, else a string)" if json else ""
+            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE{hint}")
+        if not json:
+            out[key] = value
+            continue
         try:
             out[key] = orjson.loads(value)
         except orjson.JSONDecodeError:

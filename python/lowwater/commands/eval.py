@@ -13,8 +13,9 @@ import argparse
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import trio
@@ -23,6 +24,8 @@ from lowwater.cli import UsageError
 from lowwater.commands.signals import until_signal
 
 DEFAULT_OUT_DIR = Path("runs")
+
+T = TypeVar("T")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -187,19 +190,34 @@ def parse_sampling(args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         UsageError: an ``-S`` item without ``=``.
     """
-    sampling: dict[str, Any] = {}
-    for item in args.sampling:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UsageError(f"-S {item!r}: expected KEY=VALUE (VALUE is JSON, else a string)")
-        try:
-            sampling[key] = orjson.loads(value)
-        except orjson.JSONDecodeError:
-            sampling[key] = value
+    from lowwater.runtime_choice import parse_options
+
+    sampling = _usage(parse_options, args.sampling, "-S")
     for key, value in (("temperature", args.temperature), ("top_p", args.top_p), ("max_tokens", args.max_tokens)):
         if value is not None:
             sampling[key] = value
     return sampling
+
+
+def env_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The environment options of ``--data`` and ``--env-option KEY=VALUE``
+    (values stay strings; a later one wins), as ``eval`` and ``score`` take them.
+
+    Raises:
+        UsageError: an ``--env-option`` item without ``=``.
+    """
+    from lowwater.runtime_choice import parse_options
+
+    options: dict[str, Any] = {"data": args.data} if args.data else {}
+    return {**options, **_usage(parse_options, args.env_option, "--env-option", json=False)}
+
+
+def _usage(parse: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``parse(*args, **kwargs)``, its ``ValueError`` as a :class:`UsageError` (one line, exit status 2)."""
+    try:
+        return parse(*args, **kwargs)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def build_config(args: argparse.Namespace) -> Any:
@@ -208,14 +226,7 @@ def build_config(args: argparse.Namespace) -> Any:
     from lowwater.runtime_choice import parse_options
     from lowwater.upstream.spec import UpstreamError, parse_model
 
-    options: dict[str, Any] = {"seed": args.seed}
-    if args.data:
-        options["data"] = args.data
-    for item in args.env_option:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UsageError(f"--env-option {item!r}: expected KEY=VALUE")
-        options[key] = value
+    options = {"seed": args.seed, **env_options(args)}
     try:
         model = parse_model(args.model, args.model_url, args.api_key_env)
     except UpstreamError as exc:

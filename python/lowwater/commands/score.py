@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     import trio
 
     from lowwater.cli import UsageError
+    from lowwater.commands.eval import env_options
     from lowwater.eval.rescore import rescore
     from lowwater.eval.results import ResultsFileError
     from lowwater.plugins import UnknownName
@@ -42,14 +43,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"no such results file: {args.results}")
     if args.concurrency < 1:
         raise UsageError(f"concurrency must be >= 1, not {args.concurrency}")
-    options: dict[str, Any] = {}
-    if args.data:
-        options["data"] = args.data
-    for item in args.env_option:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UsageError(f"--env-option {item!r}: expected KEY=VALUE")
-        options[key] = value
+    options = env_options(args)
     try:
         report = trio.run(lambda: rescore(args.results, args.out, env_options=options, concurrency=args.concurrency))
     except (ResultsFileError, UnknownName, ValueError, OSError) as exc:

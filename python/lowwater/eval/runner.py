@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +143,7 @@ class EvalConfig:
     seed: int = 0
     tick_s: float = attrs.field(default=1.0, validator=v.positive("tick", "seconds"))
     workers: int = attrs.field(default=0, validator=v.at_least(0))
-    backend: str = attrs.field(default="local")
+    backend: str = attrs.field(default="local", validator=v.backend_needs_workers("--backend {}", "--workers K"))
     address: str | None = None
     bind: str = "127.0.0.1"
     advertise: str | None = None
@@ -158,11 +158,6 @@ class EvalConfig:
     runtime: str | None = None
     runtime_options: dict[str, Any] = attrs.field(factory=dict)
     program: str | None = attrs.field(default=None, validator=v.program_needs_harness)
-
-    @backend.validator
-    def _check_backend(self, _attribute: Any, value: str) -> None:
-        if value != "local" and self.workers < 1:
-            raise ValueError(f"--backend {value} runs env workers: give --workers K (worker processes per node)")
 
     @max_error_rate.validator
     def _check_rate(self, _attribute: Any, value: float) -> None:
@@ -498,25 +493,15 @@ async def run_eval(
         planned = feed.planned_tasks()
         totals.planned = None if planned is None else planned * config.group_size
         async with model_server(config.model, host=config.bind, advertise=config.advertise) as upstream_url:
+            run = _Run(
+                config, env, plugins, upstream_url, feed, record, totals, write, on_progress, samples is not None
+            )
             if config.workers:
-                pool_report = await _run_pooled(
-                    config,
-                    env,
-                    upstream_url,
-                    feed,
-                    record,
-                    totals,
-                    write,
-                    on_progress,
-                    samples is not None,
-                    plugins=plugins,
-                )
+                pool_report = await _run_pooled(run)
                 # What the workers reported as they exited (summed over workers).
                 leftovers = dict(pool_report.get("leftovers") or {})
             else:
-                leftovers = await _run_here(
-                    config, env, plugins, upstream_url, feed, record, totals, write, on_progress, samples is not None
-                )
+                leftovers = await _run_here(run)
         finished = True
     finally:
         writer.close()
@@ -549,35 +534,41 @@ async def _append_summary(path: Path, run_id: str, summary: dict[str, Any], reco
         await writer.write(line)
 
 
-async def _sample_memory(record: MemoryRecord, totals: Totals, on_progress: Any) -> None:
-    """RSS samples on the record's adaptive interval (often early, rarer as the run grows)."""
-    while True:
-        await trio.sleep(record.interval_s())
-        record.add(rss_bytes(), totals.this_run)
-        if on_progress is not None:
-            on_progress(totals, record.last_bytes)
+@attrs.define
+class _Run:
+    """What running the tasks needs, here or in workers: the settings and
+    model, the tasks, and where rows, samples and memory samples go."""
+
+    config: EvalConfig
+    env: Environment
+    plugins: plugins_mod.Plugins
+    upstream_url: str
+    tasks: TaskFeed
+    record: MemoryRecord
+    totals: Totals
+    write: Callable[..., Awaitable[None]]
+    on_progress: Callable[[Totals, int], None] | None
+    with_samples: bool
+
+    async def sample_memory(self) -> None:
+        """RSS samples on the record's adaptive interval (often early, rarer as the run grows)."""
+        while True:
+            await trio.sleep(self.record.interval_s())
+            self.record.add(rss_bytes(), self.totals.this_run)
+            if self.on_progress is not None:
+                self.on_progress(self.totals, self.record.last_bytes)
 
 
-async def _run_here(
-    config: EvalConfig,
-    env: Environment,
-    plugins: plugins_mod.Plugins,
-    upstream_url: str,
-    tasks: TaskFeed,
-    record: MemoryRecord,
-    totals: Totals,
-    write: Any,
-    on_progress: Any,
-    with_samples: bool,
-) -> dict[str, int]:
+async def _run_here(run: _Run) -> dict[str, int]:
     """Every rollout in this process; returns the engine's final stats."""
-    async with open_engine(config.engine(), env, plugins, upstream_url) as (engine, server):
+    config, plugins = run.config, run.plugins
+    async with open_engine(config.engine(), run.env, plugins, run.upstream_url) as (engine, server):
 
         async def on_result(rollout: Rollout) -> None:
             # Runs before the engine evicts the trajectory: the transcript is
             # encoded from it here and the bytes dropped once written.
-            sample = encode(transcript(rollout)) if with_samples else None
-            await write(rollout.result(), sample=sample)
+            sample = encode(transcript(rollout)) if run.with_samples else None
+            await run.write(rollout.result(), sample=sample)
 
         async def tick() -> None:
             while True:
@@ -585,35 +576,23 @@ async def _run_here(
                 stats = {
                     "rss_bytes": rss_bytes(),
                     "in_flight": engine.in_flight,
-                    "finished": totals.this_run,
+                    "finished": run.totals.this_run,
                     "intercepts": server.table.stats(),
                     "intercept_table": server.table,
-                    "memory_record": record,
+                    "memory_record": run.record,
                 }
                 await plugins.fire("worker_tick", stats=stats)
 
         async with trio.open_nursery() as ticker:
             ticker.start_soon(tick)
-            ticker.start_soon(_sample_memory, record, totals, on_progress)
-            await _run_tasks(engine, tasks, config, on_result)
+            ticker.start_soon(run.sample_memory)
+            await _run_tasks(engine, run.tasks, config, on_result)
             await plugins.fire("shutdown")
             ticker.cancel_scope.cancel()
         return {**engine.stats(), "intercepts": len(server.table)}
 
 
-async def _run_pooled(
-    config: EvalConfig,
-    env: Environment,
-    upstream_url: str,
-    tasks: TaskFeed,
-    record: MemoryRecord,
-    totals: Totals,
-    write: Any,
-    on_progress: Any,
-    with_samples: bool,
-    *,
-    plugins: plugins_mod.Plugins,
-) -> dict[str, Any]:
+async def _run_pooled(run: _Run) -> dict[str, Any]:
     """Every task in ``config.workers`` env worker processes (per node, on a
     multi-node backend) of ``config.backend``; returns the pool's report.
     The parent keeps task ids only; a task whose worker (or node pool)
@@ -624,11 +603,12 @@ async def _run_pooled(
     from lowwater.workers import JobSpec, PoolConfig
     from lowwater.workers.backend import BackendOptions, open_backend
 
-    backend = open_backend(plugins, config.backend, BackendOptions(config.address))
+    config = run.config
+    backend = open_backend(run.plugins, config.backend, BackendOptions(config.address))
     per_worker = max(1, -(-config.concurrency // (config.group_size * config.workers)))
     spec = JobSpec(
         "lowwater.eval.job:make_job",
-        {"config": config.engine().to_json(), "upstream_url": upstream_url, "samples": with_samples},
+        {"config": config.engine().to_json(), "upstream_url": run.upstream_url, "samples": run.with_samples},
     )
     pool_config = PoolConfig(
         workers=config.workers,
@@ -665,11 +645,11 @@ async def _run_pooled(
             sample = row.pop("sample", None)
             if info.retried:
                 row["retried"] = True
-            await write(row, info.attempt, None if sample is None else encode(sample))
+            await run.write(row, info.attempt, None if sample is None else encode(sample))
 
     async with trio.open_nursery() as ticker:
-        ticker.start_soon(_sample_memory, record, totals, on_progress)
-        report = await pool.run((task.id for task in tasks), on_rows)
+        ticker.start_soon(run.sample_memory)
+        report = await pool.run((task.id for task in run.tasks), on_rows)
         ticker.cancel_scope.cancel()
     return report.to_json()
 

@@ -35,12 +35,13 @@ import trio
 from lowwater import _validate as v
 from lowwater import plugins as plugins_mod
 from lowwater._native import LowwaterError
-from lowwater.assembly import EngineConfig, engine_runtime_config, program_argv
+from lowwater.assembly import EngineConfig, engine_runtime_config, open_engine, program_argv
 from lowwater.environment import HARNESSES, Environment, Task
-from lowwater.rollout import Deadlines, Engine, Group
+from lowwater.rollout import Engine, Group
+from lowwater.trainer.drain import DrainReport, clear_batch
 from lowwater.trainer.pooled import GroupPool
 from lowwater.trainer.producer import group_shards
-from lowwater.trainer.shards import DrainReport, ShardRef, ShardStore, clear_batch
+from lowwater.trainer.shards import ShardRef, ShardStore
 from lowwater.upstream.spec import ModelSpec, model_server
 
 T = TypeVar("T")
@@ -109,18 +110,13 @@ class TrainerConfig:
     workers: int = attrs.field(default=0, validator=v.at_least(0))
     max_rss_mb: float | None = attrs.field(default=None, validator=v.optional(v.positive()))
     max_tasks_per_worker: int | None = attrs.field(default=None, validator=v.optional(v.at_least(1)))
-    backend: str = attrs.field(default="local")
+    backend: str = attrs.field(default="local", validator=v.backend_needs_workers("backend {!r}", "workers=K"))
     ray_address: str | None = None
     bind: str = "127.0.0.1"
     advertise: str | None = None
     runtime: str | None = None
     runtime_options: dict[str, Any] = attrs.field(factory=dict)
     program: str | None = attrs.field(default=None, validator=v.program_needs_harness)
-
-    @backend.validator
-    def _check_backend(self, _attribute: Any, value: str) -> None:
-        if value != "local" and self.workers < 1:
-            raise ValueError(f"backend {value!r} runs env workers: give workers=K (worker processes per node)")
 
     def engine(self) -> EngineConfig:
         """The engine settings each env worker runs with."""
@@ -219,10 +215,6 @@ class Lowwater:
             lowwater.plugins.UnknownName: unknown environment.
             lowwater.upstream.spec.UpstreamError: the model cannot be started/reached.
         """
-        from lowwater.interception import InterceptionServer
-        from lowwater.upstream.agent_client import AgentClient
-        from lowwater.upstream.client import ModelClient
-
         plugins = plugins or plugins_mod.load()
         from lowwater.http.exposure import reachable_config  # lazy: the HTTP stack only for runs
 
@@ -230,41 +222,13 @@ class Lowwater:
         env: Environment = plugins.environment(config.env)(config.env_options)
         store = ShardStore()
         try:
-            runtime_config = await _check_runtime(config, env, plugins)
+            await _preflight(config, env, plugins)
             async with (
                 model_server(config.model, host=config.bind, advertise=config.advertise) as url,
-                ModelClient(url, api_key=config.model.api_key) as client,
+                trio.open_nursery() as nursery,
             ):
-                server = InterceptionServer(
-                    client, protocols=list(plugins.protocols.values()) or None, request_logprobs=config.request_logprobs
-                )
-                server.interceptors = plugins.interceptors()
-                async with (
-                    trio.open_nursery() as nursery,
-                    AgentClient(
-                        max_idle=max(config.concurrency * config.group_size, 8), timeout_s=config.timeout_s
-                    ) as http,
-                ):
-                    await nursery.start(store.run)  # with its bulk listener (trainer/bulk.py)
-                    if config.workers:
-                        lw = cls(config, None, store, http, plugins, env=env, upstream_url=url)
-                        lw.groups = GroupPool(config, plugins, url, store)
-                        nursery.start_soon(lw.groups.run)
-                    else:
-                        await nursery.start(server.run)
-                        engine = Engine(
-                            env,
-                            server,
-                            plugins,
-                            http,
-                            harness=config.harness,
-                            model=config.model.name,
-                            max_turns=config.max_turns,
-                            deadlines=Deadlines(rollout_s=config.timeout_s),
-                            runtime_config=runtime_config,
-                            program=program_argv(config.engine()),
-                        )
-                        lw = cls(config, engine, store, http, plugins)
+                await nursery.start(store.run)  # with its bulk listener (trainer/bulk.py)
+                async with cls._start(config, env, plugins, store, url, nursery) as lw:
                     try:
                         yield lw
                     finally:
@@ -275,11 +239,36 @@ class Lowwater:
                                     await lw.groups.aclose()  # workers exit; the pool's own deadlines apply
                                 lw.pool_report = lw.groups.report
                             await plugins.fire("shutdown")
-                        nursery.cancel_scope.cancel()
+                nursery.cancel_scope.cancel()
         finally:
             store.buffer.clear()
             with trio.CancelScope(shield=True):
                 await env.aclose()
+
+    @classmethod
+    @asynccontextmanager
+    async def _start(
+        cls, config: TrainerConfig, env: Environment, plugins: Any, store: ShardStore, url: str, nursery: trio.Nursery
+    ) -> AsyncIterator[Lowwater]:
+        """Without workers, an engine in this process, assembled as every
+        engine is (:func:`lowwater.assembly.open_engine`, ephemeral runtimes);
+        with workers, the group pool, started in ``nursery``."""
+        if not config.workers:
+            engine_config = attrs.evolve(config.engine(), persistent=False)
+            opened = open_engine(engine_config, env, plugins, url, request_logprobs=config.request_logprobs)
+            async with opened as (engine, _server):
+                yield cls(config, engine, store, engine.http, plugins, env=env)
+            return
+        from lowwater.upstream.agent_client import AgentClient
+
+        # The trainer's own client: clear_batch's calls to the consumers.
+        async with AgentClient(
+            max_idle=max(config.concurrency * config.group_size, 8), timeout_s=config.timeout_s
+        ) as http:
+            lw = cls(config, None, store, http, plugins, env=env, upstream_url=url)
+            lw.groups = GroupPool(config, plugins, url, store)
+            nursery.start_soon(lw.groups.run)
+            yield lw
 
     async def next_batch(self, n_groups: int) -> Batch:
         """Run ``n_groups`` groups of ``group_size`` rollouts and return their shards.
@@ -374,9 +363,9 @@ class Lowwater:
 _POOL_STOP_S = 60.0
 
 
-async def _check_runtime(config: TrainerConfig, env: Environment, plugins: Any) -> Any:
-    """The in-process engine's runtime config, chosen and validated before
-    anything starts; a ``program`` that cannot start raises
+async def _preflight(config: TrainerConfig, env: Environment, plugins: Any) -> None:
+    """Choose and validate the in-process engine's runtime before anything
+    starts; a ``program`` that cannot start raises
     :class:`lowwater.program_harness.ProgramStartError` here, not per rollout."""
     engine_config = attrs.evolve(config.engine(), persistent=False)
     runtime_config = engine_runtime_config(engine_config, env, plugins)
@@ -385,7 +374,6 @@ async def _check_runtime(config: TrainerConfig, env: Environment, plugins: Any) 
         from lowwater.program_harness import preflight
 
         await preflight(plugins, runtime_config, argv, model=config.model.name)
-    return runtime_config
 
 
 def _steps_of(shard_ids: Sequence[str]) -> set[int]:
