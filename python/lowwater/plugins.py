@@ -283,13 +283,21 @@ class Plugins:
     def interceptors(self) -> Any:
         """The ``intercept_request``/``intercept_response`` implementations as a
         :class:`lowwater.interception.hooks.Interceptors` (in registration
-        order), or ``None`` when no plugin implements either: the server then
+        order, after any marked ``tryfirst`` and before any marked
+        ``trylast``), or ``None`` when no plugin implements either: the server then
         skips the hook path entirely (zero cost)."""
         ordered = {}
         for hook in sorted(hookspecs.ORDERED_HOOKS):
+            impls = getattr(self.pm.hook, hook).get_hookimpls()  # registration order within each band
+            # pluggy's ``tryfirst``/``trylast`` markers put an implementation
+            # before/after the others (taken as stored, a tryfirst one ran last).
+            bands = (
+                [i for i in impls if i.tryfirst],
+                [i for i in impls if not (i.tryfirst or i.trylast)],
+                [i for i in impls if i.trylast],
+            )
             ordered[hook] = [
-                (self.pm.get_name(impl.plugin) or "?", impl.function, impl.argnames)
-                for impl in getattr(self.pm.hook, hook).get_hookimpls()
+                (self.pm.get_name(impl.plugin) or "?", impl.function, impl.argnames) for band in bands for impl in band
             ]
         if not any(ordered.values()):
             return None

@@ -59,6 +59,20 @@ def test_none_when_no_plugin_implements_them():
     assert load(disabled=_all_entry_points()).interceptors() is None
 
 
+def test_order_is_registration_order_after_tryfirst_and_before_trylast():
+    def plugin(mark):
+        class P:
+            @hookimpl(**mark)
+            async def intercept_request(self, call):
+                pass
+
+        return P()
+
+    marks = [{"trylast": True}, {}, {"tryfirst": True}, {}, {"tryfirst": True}]
+    interceptors = _interceptors(*(plugin(m) for m in marks))
+    assert [name for name, _, _ in interceptors.requests] == ["p2", "p4", "p1", "p3", "p0"]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_redact_forwards_and_records_the_changed_body(kind, stream):
