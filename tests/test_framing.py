@@ -103,3 +103,33 @@ def test_the_workers_protocol_and_shard_batches_use_this_codec():
     assert meta["id"] == "a" and bytes(payload) == b"xy"
     with pytest.raises(ShardFetchError, match="header: incoming frame of 4294967295 bytes exceeds"):
         decode_batch(b"\xff\xff\xff\xff")
+
+
+def test_receive_object_reads_across_cuts_and_tells_a_clean_end_from_a_cut_one():
+    import orjson
+    import trio
+    import trio.testing
+
+    from lowwater.framing import READ_BYTES, receive_object
+
+    async def main() -> None:
+        big = {"x": "y" * (3 * READ_BYTES)}  # larger than one read: the reader asks for what is missing
+        for tail, ends_clean in ((b"", True), (encode_frame(b"{}")[:3], False)):
+            send, receive = trio.testing.memory_stream_one_way_pair()
+            decoder = FrameDecoder()
+            await send.send_all(encode_frame(b'{"a": 1}') + encode_frame(orjson.dumps(big)) + tail)
+            await send.aclose()
+            assert await receive_object(receive, decoder) == {"a": 1}
+            assert await receive_object(receive, decoder) == big
+            if ends_clean:
+                assert await receive_object(receive, decoder) is None
+            else:
+                with pytest.raises(FrameError, match="ended inside a frame"):
+                    await receive_object(receive, decoder)
+        for payload, message in ((b"[]", "not a JSON object"), (b"{x", "malformed payload")):
+            send, receive = trio.testing.memory_stream_one_way_pair()
+            await send.send_all(encode_frame(payload))
+            with pytest.raises(FrameError, match=message):
+                await receive_object(receive, FrameDecoder())
+
+    trio.run(main)

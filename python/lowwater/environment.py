@@ -11,7 +11,7 @@ helpers of :mod:`lowwater.harness`; nothing else of lowwater's runtime.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -111,18 +111,16 @@ class HarnessContext:
     harness: str
     http: httpx.AsyncClient
     rollout: Rollout
-    _runtime_getter: Callable[[], Awaitable[Runtime]] | None = attrs.field(default=None, alias="runtime_getter")
 
     async def runtime(self) -> Runtime:
-        """The rollout's runtime, acquired on first use and released at close.
+        """The rollout's runtime, acquired on first use and released at close
+        (:meth:`lowwater.rollout.Rollout.runtime`).
 
         Raises:
             lowwater.runtime.RuntimeStartError: it could not be provisioned.
-            LookupError: the engine was built without runtimes.
+            lowwater.rollout.RolloutFailed: the rollout has no runtime.
         """
-        if self._runtime_getter is None:
-            raise LookupError("this rollout has no runtime (the engine was built without runtimes)")
-        return await self._runtime_getter()
+        return await self.rollout.runtime()
 
     async def run_script(
         self,

@@ -17,6 +17,11 @@ Users:
 * :mod:`lowwater.trainer.shards`: the header of a batch response (the shard
   payloads that follow it are not framed; their sizes are in the header).
 
+Reading from a stream: :func:`receive_frame` takes the next payload off a
+Trio receive stream through a :class:`FrameDecoder`, and
+:func:`receive_object` decodes it as a JSON object (the pool's and the warm
+workers' messages), so both readers end, bound and decode a stream the same way.
+
 Limits: every reader and writer bounds the payload at ``max_frame`` bytes
 (default :data:`MAX_FRAME_BYTES`, 64 MiB; at most :data:`MAX_LENGTH`, what 4
 bytes can say).  A reader checks the length as soon as the 4 header bytes
@@ -27,6 +32,12 @@ nothing.  Every violation raises :class:`FrameError`.
 from __future__ import annotations
 
 import struct
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+if TYPE_CHECKING:  # pragma: no cover
+    import trio
 
 #: The length prefix: 4-byte unsigned, little-endian.
 HEADER = struct.Struct("<I")
@@ -147,3 +158,51 @@ class FrameDecoder:
         """
         if self._buf:
             raise FrameError(f"stream ended inside a frame ({len(self._buf)} bytes pending)")
+
+
+#: Bytes asked of the stream per read at least (more when the frame being read is larger).
+READ_BYTES = 1 << 16
+
+
+async def receive_frame(
+    stream: trio.abc.ReceiveStream, decoder: FrameDecoder, max_frame: int | None = None
+) -> bytearray | None:
+    """The next payload read from ``stream`` through ``decoder`` (which keeps
+    the bytes of later frames), or ``None`` when the stream ended between frames.
+
+    Args:
+        max_frame: this frame's bound (bytes); ``None``: the decoder's.
+
+    Raises:
+        FrameError: the frame exceeds the bound, or the stream ended inside one.
+        trio.BrokenResourceError, trio.ClosedResourceError: from the stream.
+    """
+    while (payload := decoder.next_frame(max_frame)) is None:
+        data = await stream.receive_some(max(READ_BYTES, decoder.missing))
+        if not data:
+            decoder.close()
+            return None
+        decoder.feed(data)
+    return payload
+
+
+async def receive_object(
+    stream: trio.abc.ReceiveStream, decoder: FrameDecoder, max_frame: int | None = None
+) -> dict[str, Any] | None:
+    """:func:`receive_frame`, its payload decoded as a JSON object (``None``
+    when the stream ended between frames).
+
+    Raises:
+        FrameError: as :func:`receive_frame`, or a payload that is not JSON
+            or not a JSON object.
+    """
+    payload = await receive_frame(stream, decoder, max_frame)
+    if payload is None:
+        return None
+    try:
+        message = orjson.loads(payload)
+    except orjson.JSONDecodeError as exc:
+        raise FrameError(f"malformed payload: {exc}") from None
+    if not isinstance(message, dict):
+        raise FrameError("payload is not a JSON object")
+    return message

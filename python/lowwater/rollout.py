@@ -534,7 +534,6 @@ class Engine:
             harness=self.harness,
             http=self.http,
             rollout=rollout,
-            runtime_getter=rollout.runtime,
         )
         rollout.context = ctx
         if self.program is not None:

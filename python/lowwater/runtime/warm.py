@@ -44,7 +44,7 @@ from pathlib import Path
 import orjson
 import trio
 
-from lowwater.framing import MAX_LENGTH, FrameDecoder, FrameError, encode_frame
+from lowwater.framing import MAX_LENGTH, FrameDecoder, FrameError, encode_frame, receive_object
 from lowwater.runtime.base import (
     OutputLimitExceeded,
     ProgramTimeout,
@@ -247,23 +247,12 @@ class WarmWorker:
                 invalid JSON.
         """
         assert proc.stdout is not None  # started with stdout=PIPE
-        while True:
-            try:
-                payload = self._frames.next_frame(min(limit, MAX_LENGTH))
-            except FrameError as exc:
-                raise _Protocol(str(exc)) from None
-            if payload is not None:
-                break
-            data = await proc.stdout.receive_some(max(65536, self._frames.missing))
-            if not data:
-                raise _Protocol("the worker closed its output")
-            self._frames.feed(data)
         try:
-            obj = orjson.loads(payload)
-        except orjson.JSONDecodeError as exc:
-            raise _Protocol(f"malformed reply: {exc}") from None
-        if not isinstance(obj, dict):
-            raise _Protocol("reply is not a JSON object")
+            obj = await receive_object(proc.stdout, self._frames, min(limit, MAX_LENGTH))
+        except FrameError as exc:
+            raise _Protocol(str(exc)) from None
+        if obj is None:
+            raise _Protocol("the worker closed its output")
         return obj
 
     async def _crashed(self, proc: trio.Process, exc: BaseException, *, starting: bool = False) -> WarmWorkerCrashed:

@@ -21,7 +21,7 @@ import trio
 # MAX_FRAME_BYTES (64 MiB) is the largest accepted payload.  A result row set
 # larger than this is a bug in a job (rows are summaries, not trajectories);
 # it is refused with ProtocolError rather than buffered.
-from lowwater.framing import HEADER, MAX_FRAME_BYTES, FrameDecoder, FrameError, encode_frame
+from lowwater.framing import HEADER, MAX_FRAME_BYTES, FrameDecoder, FrameError, encode_frame, receive_object
 
 __all__ = ["HEADER", "MAX_FRAME_BYTES", "FramedStream", "ProtocolError", "encode"]
 
@@ -91,28 +91,10 @@ class FramedStream:
                 large, or a payload is not a JSON object.
             trio.BrokenResourceError: the connection was reset.
         """
-        while True:
-            try:
-                payload = self._frames.next_frame()
-            except FrameError as exc:
-                raise ProtocolError(str(exc)) from None
-            if payload is not None:
-                break
-            chunk = await self.stream.receive_some(1 << 16)
-            if not chunk:
-                try:
-                    self._frames.close()
-                except FrameError as exc:
-                    raise ProtocolError(str(exc)) from None
-                return None
-            self._frames.feed(chunk)
         try:
-            message = orjson.loads(payload)
-        except orjson.JSONDecodeError as exc:
-            raise ProtocolError(f"malformed payload: {exc}") from None
-        if not isinstance(message, dict):
-            raise ProtocolError("payload is not a JSON object")
-        return message
+            return await receive_object(self.stream, self._frames)
+        except FrameError as exc:
+            raise ProtocolError(str(exc)) from None
 
     async def aclose(self) -> None:
         await self.stream.aclose()
