@@ -174,6 +174,30 @@ def _positive(body: Json, key: str, *, required: bool = False) -> int | None:
     return value
 
 
+def _request(body: Any) -> tuple[Json, str]:
+    """The body as a JSON object and its ``model``; :class:`HTTPError` 400 otherwise."""
+    if not isinstance(body, dict):
+        raise _bad("body must be a JSON object")
+    return body, _get(body, "model", str, required=True)
+
+
+def _messages(body: Json) -> list[Any]:
+    """``body["messages"]``, required and non-empty (its items are checked by :func:`_objects`)."""
+    messages: list[Any] = _get(body, "messages", list, required=True)
+    if not messages:
+        raise _bad("field messages must not be empty")
+    return messages
+
+
+def _objects(items: list[Any], where: str) -> Iterator[tuple[int, Json]]:
+    """``(i, item)`` of a list of objects, each checked as it is reached
+    (``where[i] must be an object`` otherwise)."""
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise _bad(f"{where}[{i}] must be an object")
+        yield i, item
+
+
 def _top_logprobs(body: Json) -> int:
     top = _get(body, "top_logprobs", int) or 0
     if not 0 <= top <= 20:
@@ -218,9 +242,7 @@ def _offers_calculator(body: Json) -> bool:
     choice = body.get("tool_choice")
     if not tools or choice == "none" or (isinstance(choice, dict) and choice.get("type") == "none"):
         return False
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict):
-            raise _bad(f"tools[{i}] must be an object")
+    for _, tool in _objects(tools, "tools"):
         function = tool.get("function")
         name = function.get("name") if isinstance(function, dict) else tool.get("name")
         if name == TOOL_NAME:
@@ -234,16 +256,10 @@ def _no_question() -> HTTPError:
 
 def parse_chat(body: Any) -> Call:
     """A ``/v1/chat/completions`` body; :class:`HTTPError` 400 naming the bad field."""
-    if not isinstance(body, dict):
-        raise _bad("body must be a JSON object")
-    model = _get(body, "model", str, required=True)
-    messages = _get(body, "messages", list, required=True)
-    if not messages:
-        raise _bad("field messages must not be empty")
+    body, model = _request(body)
+    messages = _messages(body)
     question, results = None, 0
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise _bad(f"messages[{i}] must be an object")
+    for i, message in _objects(messages, "messages"):
         role = message.get("role")
         if role not in ("system", "developer", "user", "assistant", "tool", "function"):
             raise _bad(f"messages[{i}].role must be system, developer, user, assistant or tool")
@@ -276,17 +292,13 @@ def parse_chat(body: Any) -> Call:
 
 def parse_responses(body: Any) -> Call:
     """A ``/v1/responses`` body; :class:`HTTPError` 400 naming the bad field."""
-    if not isinstance(body, dict):
-        raise _bad("body must be a JSON object")
-    model = _get(body, "model", str, required=True)
+    body, model = _request(body)
     items = _get(body, "input", (str, list), required=True)
     _get(body, "instructions", str)
     question, results = None, 0
     if isinstance(items, str):
         question = items if items.strip() else None
-    for i, item in enumerate(items if isinstance(items, list) else ()):
-        if not isinstance(item, dict):
-            raise _bad(f"input[{i}] must be an object")
+    for i, item in _objects(items if isinstance(items, list) else [], "input"):
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
@@ -318,20 +330,14 @@ def parse_responses(body: Any) -> Call:
 
 def parse_messages(body: Any) -> Call:
     """A ``/v1/messages`` body (``max_tokens`` is required, as upstream); :class:`HTTPError` 400."""
-    if not isinstance(body, dict):
-        raise _bad("body must be a JSON object")
-    model = _get(body, "model", str, required=True)
+    body, model = _request(body)
     max_tokens = _positive(body, "max_tokens", required=True)
-    messages = _get(body, "messages", list, required=True)
-    if not messages:
-        raise _bad("field messages must not be empty")
+    messages = _messages(body)
     system = body.get("system")
     if system is not None and not isinstance(system, (str, list)):
         raise _bad("field system must be a string or an array of text blocks")
     question, results = None, 0
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise _bad(f"messages[{i}] must be an object")
+    for i, message in _objects(messages, "messages"):
         role = message.get("role")
         if role not in ("user", "assistant"):
             raise _bad(f"messages[{i}].role must be user or assistant")
