@@ -94,4 +94,4 @@ pub use rollouts::RolloutTable;
 /// The data plane's allocator, for the final artifact's `#[global_allocator]`
 /// (see the crate docs' Allocator section).
 #[cfg(all(feature = "mimalloc", not(loom)))]
-pub type Allocator = mimalloc::MiMalloc;
+pub use mimalloc::MiMalloc as Allocator;

@@ -185,7 +185,7 @@ fn now_unix_s() -> f64 {
 
 /// Answer one request; never fails (every error is a response).
 pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<ResBody> {
-    let _active = Gauge::new(&sh, |c| &c.active_calls);
+    let active = Gauge::new(&sh, |c| &c.active_calls);
     let start = Instant::now();
     let started_s = now_unix_s();
     let Some((pid, spec)) = sh.protocols.route(req.uri().path()) else {
@@ -250,6 +250,7 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
         delta: Some(delta),
         start,
         started_s,
+        _active: active,
     };
     call.run(body, extra, cancel_rx).await
 }
@@ -283,6 +284,8 @@ struct Call {
     delta: Option<RequestDelta>,
     start: Instant,
     started_s: f64,
+    /// Counts the call as active until its last byte is handed over.
+    _active: Gauge,
 }
 
 impl Drop for Call {
@@ -346,6 +349,9 @@ impl Call {
             r = read_whole(answer, sh.upstream.timeout, sh.max_response_bytes) => r,
         };
         let (status, bytes, err) = match read {
+            // A 5xx left after the retries is the upstream failing: 502, as in
+            // the Python server; the record keeps the upstream's body.
+            Ok(bytes) if status.is_server_error() => (502, bytes, Some(format!("upstream answered {status}"))),
             Ok(bytes) => (status.as_u16(), bytes, None),
             Err(e) => (e.status(), Bytes::new(), Some(e.reason())),
         };

@@ -1,0 +1,580 @@
+//! The data plane end to end on loopback: a real server, a tiny hyper
+//! upstream in the test, a hyper client.  No wall-clock assertion: waits
+//! are for a condition (bounded, failing with a message), and the one
+//! "not yet" check (the held terminal event) can only pass wrongly, never fail
+//! wrongly, on a slow machine.
+#![cfg(not(loom))]
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use lowwater_dataplane::{Config, DataPlane, Stats, TurnRecord};
+use tokio::sync::mpsc;
+
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static ALLOC: lowwater_dataplane::Allocator = lowwater_dataplane::Allocator;
+
+const UPSTREAM_KEY: &str = "upstream-key";
+
+// --- the test's upstream ------------------------------------------------------
+
+/// A body fed from a channel (the upstream's SSE streams).
+struct ChanBody(mpsc::Receiver<Bytes>);
+
+impl Body for ChanBody {
+    type Data = Bytes;
+    type Error = Infallible;
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.0.poll_recv(cx).map(|c| c.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+type UpBody = http_body_util::Either<Full<Bytes>, ChanBody>;
+
+fn full(status: u16, ct: &'static str, body: impl Into<Bytes>) -> Response<UpBody> {
+    let mut r = Response::new(UpBody::Left(Full::new(body.into())));
+    *r.status_mut() = StatusCode::from_u16(status).unwrap();
+    r.headers_mut().insert("content-type", HeaderValue::from_static(ct));
+    r
+}
+
+fn sse(events: Vec<&'static str>, then_hang: bool) -> Response<UpBody> {
+    let (tx, rx) = mpsc::channel(16);
+    tokio::spawn(async move {
+        for e in events {
+            if tx.send(Bytes::from_static(e.as_bytes())).await.is_err() {
+                return;
+            }
+        }
+        if then_hang {
+            tx.closed().await; // hold the stream open until the plane drops it
+        }
+    });
+    let mut r = Response::new(UpBody::Right(ChanBody(rx)));
+    r.headers_mut().insert("content-type", HeaderValue::from_static("text/event-stream"));
+    r
+}
+
+/// Behaviour by the request's `model`: `echo`, `stream`, `hang`,
+/// `stream-hang`, `fail` (500), `jitter` (echo after a short varying delay).
+async fn upstream_answer(req: Request<Incoming>, n: Arc<AtomicU64>) -> Response<UpBody> {
+    let auth = req.headers().get("authorization").and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+    let path = req.uri().path().to_string();
+    let body = req.into_body().collect().await.unwrap().to_bytes();
+    if auth != format!("Bearer {UPSTREAM_KEY}") {
+        return full(401, "application/json", format!("{{\"error\":\"upstream saw {auth:?}\"}}"));
+    }
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let model = v["model"].as_str().unwrap_or("").to_string();
+    match model.as_str() {
+        "stream" => sse(vec!["data: {\"i\":1}\n\n", "data: {\"i\":2}\n\n", "data: [DONE]\n\n"], false),
+        "stream-hang" => sse(vec!["data: {\"i\":1}\n\n"], true),
+        "hang" => std::future::pending().await,
+        "fail" => full(500, "application/json", "{\"error\":\"boom\"}"),
+        _ => {
+            if model == "jitter" {
+                let k = n.fetch_add(1, Ordering::Relaxed) % 5;
+                tokio::time::sleep(Duration::from_micros(200 * k)).await;
+            }
+            full(200, "application/json", format!("{{\"path\":{path:?},\"model\":{model:?}}}"))
+        }
+    }
+}
+
+/// Start the upstream on `rt`; its base URL.
+fn start_upstream(rt: &tokio::runtime::Runtime) -> String {
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let n = Arc::new(AtomicU64::new(0));
+    rt.spawn(async move {
+        loop {
+            let (s, _) = listener.accept().await.unwrap();
+            let n = Arc::clone(&n);
+            tokio::spawn(async move {
+                let svc = service_fn(move |req| {
+                    let n = Arc::clone(&n);
+                    async move { Ok::<_, Infallible>(upstream_answer(req, n).await) }
+                });
+                let _ = http1::Builder::new().serve_connection(TokioIo::new(s), svc).await;
+            });
+        }
+    });
+    format!("http://{addr}/v1")
+}
+
+// --- harness -----------------------------------------------------------------------
+
+struct Harness {
+    rt: tokio::runtime::Runtime,
+    plane: Arc<DataPlane>,
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+fn harness(tweak: impl FnOnce(&mut Config)) -> Harness {
+    let rt = runtime();
+    let mut config = Config::new(start_upstream(&rt));
+    config.upstream_key = Some(UPSTREAM_KEY.into());
+    config.retries = 0;
+    tweak(&mut config);
+    let plane = Arc::new(DataPlane::start(config, "127.0.0.1:0".parse().unwrap()).unwrap());
+    let client = Client::builder(TokioExecutor::new()).build_http();
+    Harness { rt, plane, client }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        // The upstream's hanging handlers must not hold the test's exit.
+        std::mem::replace(&mut self.rt, runtime()).shutdown_background();
+    }
+}
+
+fn request(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> Request<Full<Bytes>> {
+    let mut b = Request::post(format!("http://{addr}{path}")).header("content-type", "application/json");
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    b.body(Full::new(body.into())).unwrap()
+}
+
+fn chat_body(model: &str, stream: bool, contents: &[&str]) -> String {
+    let msgs: Vec<_> = contents.iter().map(|c| serde_json::json!({"role": "user", "content": c})).collect();
+    serde_json::json!({"model": model, "stream": stream, "messages": msgs}).to_string()
+}
+
+impl Harness {
+    fn addr(&self) -> SocketAddr {
+        self.plane.local_addr()
+    }
+
+    /// POST and read the whole answer.
+    fn call(&self, req: Request<Full<Bytes>>) -> (u16, HeaderMap, Bytes) {
+        let c = self.client.clone();
+        self.rt.block_on(async move {
+            let r = c.request(req).await.unwrap();
+            let (parts, body) = r.into_parts();
+            (parts.status.as_u16(), parts.headers, body.collect().await.unwrap().to_bytes())
+        })
+    }
+
+    fn chat(&self, secret: &str, model: &str, contents: &[&str]) -> (u16, Bytes) {
+        let auth = format!("Bearer {secret}");
+        let (s, _, b) = self.call(request(
+            self.addr(),
+            "/v1/chat/completions",
+            &[("authorization", &auth)],
+            chat_body(model, false, contents),
+        ));
+        (s, b)
+    }
+
+    /// Wait (bounded) until `cond` holds on the stats.
+    fn wait_stats(&self, what: &str, cond: impl Fn(&Stats) -> bool) -> Stats {
+        for _ in 0..2000 {
+            let s = self.plane.stats();
+            if cond(&s) {
+                return s;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        panic!("{what}: never reached; stats {:?}", self.plane.stats());
+    }
+}
+
+/// Wait for the wakeup fd, then drain (bounded).
+fn next_records(plane: &DataPlane) -> Vec<TurnRecord> {
+    for _ in 0..200 {
+        let mut p = libc::pollfd { fd: plane.queue().wakeup_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        unsafe { libc::poll(&mut p, 1, 50) };
+        let got = plane.queue().drain();
+        if !got.is_empty() {
+            return got;
+        }
+    }
+    panic!("no record arrived");
+}
+
+/// A control plane stand-in: drains on wakeup, keeps the records, acks each.
+struct Acker {
+    stop: Arc<AtomicBool>,
+    records: Arc<Mutex<Vec<TurnRecord>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Acker {
+    fn start(plane: &Arc<DataPlane>) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let records = Arc::new(Mutex::new(Vec::new()));
+        let (plane, s, r) = (Arc::clone(plane), Arc::clone(&stop), Arc::clone(&records));
+        let thread = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                let mut p = libc::pollfd { fd: plane.queue().wakeup_fd(), events: libc::POLLIN, revents: 0 };
+                // SAFETY: one valid pollfd.
+                unsafe { libc::poll(&mut p, 1, 20) };
+                for rec in plane.queue().drain() {
+                    let seq = rec.seq;
+                    r.lock().unwrap().push(rec); // kept before the ack releases the call
+                    plane.queue().ack(seq);
+                }
+            }
+        });
+        Acker { stop, records, thread: Some(thread) }
+    }
+
+    fn take(&self) -> Vec<TurnRecord> {
+        std::mem::take(&mut *self.records.lock().unwrap())
+    }
+}
+
+impl Drop for Acker {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        let _ = self.thread.take().unwrap().join();
+    }
+}
+
+fn json(b: &[u8]) -> serde_json::Value {
+    serde_json::from_slice(b).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(b)))
+}
+
+// --- tests -------------------------------------------------------------------------
+
+#[test]
+fn forwards_records_and_hands_over_only_new_messages() {
+    let h = harness(|_| {});
+    let acker = Acker::start(&h.plane);
+    h.plane.register("r1", "s1").unwrap();
+    let (status, body) = h.chat("s1", "echo", &["hi"]);
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let answer = json(&body);
+    assert_eq!(answer["path"], "/v1/chat/completions", "the upstream's own path under its base URL");
+    assert_eq!(answer["model"], "echo");
+    let (status, _) = h.chat("s1", "echo", &["hi", "again", "more"]);
+    assert_eq!(status, 200);
+    // A rewrite: the first message changed.
+    assert_eq!(h.chat("s1", "echo", &["HI", "again"]).0, 200);
+    h.wait_stats("three records acked", |s| s.ok == 3 && s.awaiting_ack == 0);
+    let recs = acker.take();
+    assert_eq!(recs.len(), 3);
+    let (a, b, c) = (&recs[0], &recs[1], &recs[2]);
+    assert_eq!(&*a.rollout_id, "r1");
+    assert_eq!(h.plane.protocols().get(a.protocol).unwrap().name, "openai.chat");
+    assert_eq!((a.status, a.streamed, a.model.as_str()), (200, false, "echo"));
+    assert_eq!(a.response, body_of("echo"), "the record holds the answer's bytes");
+    assert_eq!((a.request.kept, a.request.previous, a.request.messages.len()), (0, 0, 1));
+    assert_eq!(json(&a.request.messages[0])["content"], "hi");
+    assert_eq!((b.request.kept, b.request.previous), (1, 1), "only the new messages are handed over");
+    let contents: Vec<_> = b.request.messages.iter().map(|m| json(m)["content"].clone()).collect();
+    assert_eq!(contents, ["again", "more"]);
+    assert_eq!((c.request.kept, c.request.previous, c.request.messages.len()), (0, 3, 2), "a rewrite");
+    assert!(a.timings.started_s > 1.0e9 && a.timings.duration_s >= a.timings.upstream_s);
+    assert!(a.error.is_none());
+    assert_eq!(h.plane.unregister("r1"), Some(0));
+}
+
+fn body_of(model: &str) -> Bytes {
+    Bytes::from(format!("{{\"path\":\"/v1/chat/completions\",\"model\":{model:?}}}"))
+}
+
+#[test]
+fn refusals_are_4xx_with_protocol_shaped_bodies() {
+    let h = harness(|c| c.max_body_bytes = 1024);
+    h.plane.register("r1", "s1").unwrap();
+    h.plane.register("r2", "s2").unwrap();
+    let a = h.addr();
+    let ok_body = chat_body("echo", false, &["hi"]);
+    let cases: Vec<(Request<Full<Bytes>>, u16, &str)> = vec![
+        (request(a, "/v1/chat/completions", &[], ok_body.clone()), 401, "missing API key"),
+        (request(a, "/v1/chat/completions", &[("authorization", "Bearer nope")], ok_body.clone()), 401, "unknown"),
+        (
+            request(a, "/v1/chat/completions", &[("authorization", "Bearer s1"), ("x-api-key", "s2")], ok_body.clone()),
+            401,
+            "two rollouts",
+        ),
+        (request(a, "/v1/chat/completions", &[("x-api-key", "s1")], "{not json"), 400, "malformed JSON"),
+        (
+            request(a, "/v1/chat/completions", &[("x-api-key", "s1")], "{\"model\":\"m\"}"),
+            400,
+            "missing field 'messages'",
+        ),
+        (request(a, "/v1/chat/completions", &[("x-api-key", "s1")], vec![b' '; 4096]), 413, "over the limit"),
+        (request(a, "/v1/nope", &[("x-api-key", "s1")], ok_body.clone()), 404, "no route"),
+    ];
+    for (req, status, why) in cases {
+        let (got, headers, body) = h.call(req);
+        assert_eq!(got, status, "{why}: {}", String::from_utf8_lossy(&body));
+        let v = json(&body);
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(why), "{why}: {msg}");
+        if status == 401 || status == 413 {
+            assert_eq!(headers.get("connection").unwrap(), "close", "answered before the body was read");
+        }
+    }
+    // Anthropic-shaped errors on its route.
+    let (got, _, body) = h.call(request(a, "/v1/messages", &[("x-api-key", "nope")], "{}"));
+    assert_eq!(got, 401);
+    assert_eq!(json(&body)["type"], "error");
+    assert_eq!(json(&body)["error"]["type"], "authentication_error");
+    // Not a POST: 405 with allow.
+    let c = h.client.clone();
+    let (got, allow) = h.rt.block_on(async move {
+        let req = Request::get(format!("http://{a}/v1/chat/completions")).body(Full::new(Bytes::new())).unwrap();
+        let r = c.request(req).await.unwrap();
+        (r.status().as_u16(), r.headers().get("allow").cloned())
+    });
+    assert_eq!((got, allow.unwrap()), (405, HeaderValue::from_static("POST")));
+    let s = h.plane.stats();
+    assert_eq!((s.ok, s.failed, s.queued), (0, 0, 0), "refusals are not recorded");
+}
+
+#[test]
+fn upstream_failures_are_502_and_504_and_recorded() {
+    let h = harness(|c| c.upstream_timeout = Duration::from_millis(300));
+    let acker = Acker::start(&h.plane);
+    h.plane.register("r", "s").unwrap();
+    let (status, body) = h.chat("s", "fail", &["x"]);
+    assert_eq!(status, 502, "a 5xx after the retries");
+    assert!(json(&body)["error"]["message"].as_str().unwrap().contains("upstream answered 500"));
+    let (status, body) = h.chat("s", "hang", &["x"]);
+    assert_eq!(status, 504, "{}", String::from_utf8_lossy(&body));
+    h.wait_stats("two failures recorded", |s| s.failed == 2 && s.awaiting_ack == 0);
+    let recs = acker.take();
+    assert_eq!(recs.iter().map(|r| r.status).collect::<Vec<_>>(), [502, 504]);
+    assert!(recs.iter().all(|r| r.error.is_some()));
+    assert_eq!(recs[0].response, Bytes::from_static(b"{\"error\":\"boom\"}"), "the upstream's body is kept");
+
+    // Nothing listening upstream: 502 at once.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_url = format!("http://{}/v1", dead.local_addr().unwrap());
+    drop(dead);
+    let h2 = harness(|c| c.upstream = dead_url);
+    let _acker2 = Acker::start(&h2.plane);
+    h2.plane.register("r", "s").unwrap();
+    let (status, body) = h2.chat("s", "echo", &["x"]);
+    assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
+}
+
+/// Read a streamed answer's frames on `rt` into a channel, so the test can
+/// check what has arrived so far.
+fn stream_frames(h: &Harness, req: Request<Full<Bytes>>) -> (u16, mpsc::UnboundedReceiver<Bytes>) {
+    let c = h.client.clone();
+    let (tx, rx) = mpsc::unbounded_channel();
+    let status = h.rt.block_on(async move {
+        let r = c.request(req).await.unwrap();
+        let status = r.status().as_u16();
+        let mut body = r.into_body();
+        tokio::spawn(async move {
+            while let Some(Ok(f)) = body.frame().await {
+                if let Ok(d) = f.into_data() {
+                    let _ = tx.send(d);
+                }
+            }
+        });
+        status
+    });
+    (status, rx)
+}
+
+fn read_until(h: &Harness, rx: &mut mpsc::UnboundedReceiver<Bytes>, seen: &mut Vec<u8>, needle: &str) {
+    h.rt.block_on(async {
+        while !String::from_utf8_lossy(seen).contains(needle) {
+            let chunk = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await;
+            match chunk {
+                Ok(Some(c)) => seen.extend_from_slice(&c),
+                _ => panic!("stream ended before {needle:?}: {}", String::from_utf8_lossy(seen)),
+            }
+        }
+    });
+}
+
+#[test]
+fn stream_relays_events_and_holds_the_terminal_one_until_acked() {
+    let h = harness(|_| {});
+    h.plane.register("r", "s").unwrap();
+    let body = chat_body("stream", true, &["hi"]);
+    let req = request(h.addr(), "/v1/chat/completions", &[("authorization", "Bearer s")], body);
+    let (status, mut rx) = stream_frames(&h, req);
+    assert_eq!(status, 200);
+    let mut seen = Vec::new();
+    read_until(&h, &mut rx, &mut seen, "{\"i\":2}");
+    let recs = next_records(&h.plane);
+    assert_eq!(recs.len(), 1);
+    let rec = &recs[0];
+    assert!(rec.streamed && rec.error.is_none());
+    assert_eq!(&rec.response[..], b"data: {\"i\":1}\n\ndata: {\"i\":2}\n\ndata: [DONE]\n\n");
+    // Recorded, not acked: the terminal event has not gone out.
+    let early = h.rt.block_on(async { tokio::time::timeout(Duration::from_millis(200), rx.recv()).await });
+    assert!(early.is_err(), "the terminal event was released before the ack: {early:?}");
+    assert!(!String::from_utf8_lossy(&seen).contains("[DONE]"));
+    assert_eq!(h.plane.stats().awaiting_ack, 1);
+    assert!(h.plane.queue().ack(rec.seq));
+    read_until(&h, &mut rx, &mut seen, "data: [DONE]\n\n");
+    assert_eq!(&seen[..], &rec.response[..], "the agent got exactly the upstream's events");
+    h.wait_stats("the relay ended", |s| s.active_calls == 0 && s.ok == 1);
+}
+
+#[test]
+fn unregister_answers_a_pending_call_410_at_once() {
+    let h = harness(|_| {});
+    h.plane.register("r", "s").unwrap();
+    let c = h.client.clone();
+    let req =
+        request(h.addr(), "/v1/chat/completions", &[("authorization", "Bearer s")], chat_body("hang", false, &["x"]));
+    let pending = h.rt.spawn(async move {
+        let r = c.request(req).await.unwrap();
+        let status = r.status().as_u16();
+        (status, r.into_body().collect().await.unwrap().to_bytes())
+    });
+    h.wait_stats("the call is in flight", |s| s.in_flight == 1);
+    assert_eq!(h.plane.unregister("r"), Some(1));
+    let (status, body) = h.rt.block_on(pending).unwrap();
+    assert_eq!(status, 410);
+    assert!(json(&body)["error"]["message"].as_str().unwrap().contains("closed"));
+    let s = h.wait_stats("the call ended", |s| s.active_calls == 0);
+    assert_eq!((s.closed, s.queued, s.in_flight, s.open_rollouts, s.secrets), (1, 0, 0, 0, 0));
+    // The secret is gone with the rollout.
+    assert_eq!(h.chat("s", "echo", &["x"]).0, 401);
+}
+
+#[test]
+fn unregister_breaks_a_stream_under_way_with_an_error_event() {
+    let h = harness(|_| {});
+    h.plane.register("r", "s").unwrap();
+    let body = chat_body("stream-hang", true, &["hi"]);
+    let req = request(h.addr(), "/v1/chat/completions", &[("authorization", "Bearer s")], body);
+    let (status, mut rx) = stream_frames(&h, req);
+    assert_eq!(status, 200);
+    let mut seen = Vec::new();
+    read_until(&h, &mut rx, &mut seen, "{\"i\":1}");
+    assert_eq!(h.plane.unregister("r"), Some(1));
+    read_until(&h, &mut rx, &mut seen, "event: error");
+    let end = h.rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while let Some(c) = rx.recv().await {
+                seen.extend_from_slice(&c);
+            }
+        })
+        .await
+    });
+    assert!(end.is_ok(), "the stream ended after its error event");
+    let text = String::from_utf8_lossy(&seen);
+    assert!(text.contains("was closed") && !text.contains("[DONE]"), "{text}");
+    let s = h.wait_stats("the relay ended", |s| s.active_calls == 0);
+    assert_eq!((s.closed, s.queued, s.ok), (1, 0, 0), "a broken-off stream is not recorded");
+}
+
+/// Unregister racing in-flight calls, many times over: each call is either
+/// answered and recorded exactly once, or answered 410 (or, for a stream,
+/// broken off) and not recorded.  Never both, never neither.
+#[test]
+fn unregister_racing_calls_is_recorded_xor_refused() {
+    let h = harness(|_| {});
+    let acker = Acker::start(&h.plane);
+    let rounds = 60;
+    let mut outcomes: HashMap<String, (u16, bool)> = HashMap::new();
+    for i in 0..rounds {
+        let (id, secret) = (format!("r{i}"), format!("s{i}"));
+        h.plane.register(&id, &secret).unwrap();
+        let stream = i % 3 == 0;
+        let model = if stream { "stream" } else { "jitter" };
+        let req = request(
+            h.addr(),
+            "/v1/chat/completions",
+            &[("authorization", &format!("Bearer {secret}"))],
+            chat_body(model, stream, &["x"]),
+        );
+        let c = h.client.clone();
+        let call = h.rt.spawn(async move {
+            let r = c.request(req).await.unwrap();
+            let status = r.status().as_u16();
+            let body = r.into_body().collect().await.unwrap().to_bytes();
+            (status, body)
+        });
+        // Let the call get somewhere between "not yet begun" and "answered".
+        std::thread::sleep(Duration::from_micros(150 * (i % 7) as u64));
+        h.plane.unregister(&id);
+        let (status, body) = h.rt.block_on(call).unwrap();
+        let text = String::from_utf8_lossy(&body).to_string();
+        let completed = match status {
+            200 if stream => text.contains("[DONE]"),
+            200 => true,
+            // Refused: the secret was gone (401) or the rollout closed (410).
+            401 | 410 => false,
+            other => panic!("round {i}: status {other}: {text}"),
+        };
+        if stream && status == 200 && !completed {
+            assert!(text.contains("event: error"), "a broken stream ends in an error event: {text}");
+        }
+        outcomes.insert(id, (status, completed));
+    }
+    let s = h.wait_stats("every call ended and was acked", |s| s.active_calls == 0 && s.awaiting_ack == 0);
+    let mut kinds: HashMap<(u16, bool), usize> = HashMap::new();
+    for o in outcomes.values() {
+        *kinds.entry(*o).or_default() += 1;
+    }
+    eprintln!("outcomes (status, completed) -> count: {kinds:?}; stats {s:?}");
+    let mut recorded: HashMap<String, usize> = HashMap::new();
+    for r in acker.take() {
+        *recorded.entry(r.rollout_id.to_string()).or_default() += 1;
+    }
+    for (id, (status, completed)) in &outcomes {
+        let n = recorded.get(id).copied().unwrap_or(0);
+        assert_eq!(n, usize::from(*completed), "{id}: status {status}, completed {completed}, {n} records");
+    }
+    assert_eq!((s.open_rollouts, s.secrets, s.in_flight, s.queued), (0, 0, 0, 0));
+}
+
+#[test]
+fn tables_are_empty_after_many_rollouts() {
+    let h = harness(|_| {});
+    let acker = Acker::start(&h.plane);
+    let n = 64;
+    for i in 0..n {
+        let (id, secret) = (format!("r{i}"), format!("s{i}"));
+        h.plane.register(&id, &secret).unwrap();
+        assert_eq!(h.chat(&secret, "echo", &["a"]).0, 200);
+        assert_eq!(h.chat(&secret, "echo", &["a", "b"]).0, 200);
+        assert_eq!(h.plane.unregister(&id), Some(0));
+    }
+    let s = h.wait_stats("every call ended", |s| s.active_calls == 0 && s.awaiting_ack == 0);
+    assert_eq!(
+        (s.open_rollouts, s.secrets, s.in_flight, s.queued, s.awaiting_ack, s.calls, s.ok, s.failed, s.closed),
+        (0, 0, 0, 0, 0, 2 * n, 2 * n, 0, 0)
+    );
+    assert_eq!(acker.take().len(), 2 * n as usize);
+}
+
+#[test]
+fn https_upstream_needs_the_tls_feature() {
+    let r = DataPlane::start(Config::new("https://example.invalid/v1"), "127.0.0.1:0".parse().unwrap());
+    if cfg!(feature = "tls") {
+        assert!(r.is_ok());
+    } else {
+        assert!(matches!(
+            r,
+            Err(lowwater_dataplane::StartError::Config(lowwater_dataplane::ConfigError::HttpsNeedsTls))
+        ));
+    }
+    assert!(DataPlane::start(Config::new("ftp://x/v1"), "127.0.0.1:0".parse().unwrap()).is_err());
+}
