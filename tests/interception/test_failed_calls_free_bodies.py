@@ -64,12 +64,25 @@ def _calls_alive() -> int:
     return sum(type(o).__name__ == "_Call" for o in gc.get_objects())
 
 
-@pytest.mark.parametrize("model", [None, "renamed"], ids=["raw", "rewritten"])
-@pytest.mark.parametrize(("stream", "partial"), [(False, WHOLE), (True, STREAM)], ids=["whole", "stream"])
-def test_upstream_closing_mid_answer_leaves_no_body_alive(stream, partial, model):
-    async def main() -> tuple[dict, int]:
+async def _closed_port(nursery: trio.Nursery) -> int:
+    """A port nothing listens on: every call to it is refused."""
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    listener.close()
+    return port
+
+
+def _failing_calls(upstream, call, *, model: str | None = None) -> tuple[dict, int, Trajectory]:
+    """``CALLS`` times ``await call(http, slot)`` through an interception server
+    forwarding to the port ``await upstream(nursery)`` returns, with the cyclic
+    GC off from just before the first call until the server has drained.
+    Returns the table's stats, how many more of the server's per-call objects
+    are alive than before, and the rollout's trajectory."""
+
+    async def main() -> tuple[dict, int, Trajectory]:
         async with trio.open_nursery() as nursery:
-            port = await nursery.start(_cutting_upstream, partial)
+            port = await upstream(nursery)
             async with (
                 ModelClient(f"http://127.0.0.1:{port}/v1", retries=0, model=model) as model_client,
                 httpx.AsyncClient(timeout=GUARD_S) as http,
@@ -77,73 +90,55 @@ def test_upstream_closing_mid_answer_leaves_no_body_alive(stream, partial, model
                 server = InterceptionServer(model_client)
                 await nursery.start(server.run)
                 slot = server.register(Trajectory("r"))
-                request = {"model": "m", "messages": [{"role": "user", "content": "x" * BODY_CHARS}], "stream": stream}
-                headers = {"authorization": f"Bearer {slot.secret}"}
                 gc.collect()
                 gc.disable()
                 before = _calls_alive()
                 try:
                     with trio.fail_after(GUARD_S):
                         for _ in range(CALLS):
-                            async with http.stream(
-                                "POST", slot.base_url + "/chat/completions", json=request, headers=headers
-                            ) as r:
-                                try:
-                                    await r.aread()
-                                except httpx.HTTPError:
-                                    pass  # a stream broken off: the agent's SDK raises
-                                assert r.status_code == (200 if stream else 502)
+                            await call(http, slot)
                         while server.stats()["waiting_handlers"] or len(server.table):
                             await trio.sleep(0.01)
                     stats = server.table.stats()
                     calls = _calls_alive() - before
                 finally:
                     gc.enable()
-                assert len(slot.trajectory.turns) == CALLS and all(t.error for t in slot.trajectory.turns)
             nursery.cancel_scope.cancel()
-        return stats, calls
+        return stats, calls, slot.trajectory
 
-    stats, calls = trio.run(main)
+    return trio.run(main)
+
+
+@pytest.mark.parametrize("model", [None, "renamed"], ids=["raw", "rewritten"])
+@pytest.mark.parametrize(("stream", "partial"), [(False, WHOLE), (True, STREAM)], ids=["whole", "stream"])
+def test_upstream_closing_mid_answer_leaves_no_body_alive(stream, partial, model):
+    request = {"model": "m", "messages": [{"role": "user", "content": "x" * BODY_CHARS}], "stream": stream}
+
+    async def call(http, slot):
+        headers = {"authorization": f"Bearer {slot.secret}"}
+        async with http.stream("POST", slot.base_url + "/chat/completions", json=request, headers=headers) as r:
+            try:
+                await r.aread()
+            except httpx.HTTPError:
+                pass  # a stream broken off: the agent's SDK raises
+            assert r.status_code == (200 if stream else 502)
+
+    stats, calls, trajectory = _failing_calls(
+        lambda nursery: nursery.start(_cutting_upstream, partial), call, model=model
+    )
+    assert len(trajectory.turns) == CALLS and all(t.error for t in trajectory.turns)
     assert stats["entries"] == 0 and stats["inserts"] == CALLS
     assert stats["live_bytes"] == 0, stats
     assert calls == 0
 
 
 def test_unreachable_upstream_leaves_no_body_alive():
-    async def main() -> tuple[dict, int]:
-        listener = trio.socket.socket()
-        await listener.bind(("127.0.0.1", 0))
-        port = listener.getsockname()[1]
-        listener.close()  # nothing listens there: every call is refused
-        async with trio.open_nursery() as nursery:
-            async with (
-                ModelClient(f"http://127.0.0.1:{port}/v1", retries=0) as model_client,
-                httpx.AsyncClient(timeout=GUARD_S) as http,
-            ):
-                server = InterceptionServer(model_client)
-                await nursery.start(server.run)
-                slot = server.register(Trajectory("r"))
-                request = {"model": "m", "messages": [{"role": "user", "content": "x" * BODY_CHARS}]}
-                gc.collect()
-                gc.disable()
-                before = _calls_alive()
-                try:
-                    with trio.fail_after(GUARD_S):
-                        for _ in range(CALLS):
-                            r = await http.post(
-                                slot.base_url + "/chat/completions",
-                                json=request,
-                                headers={"authorization": f"Bearer {slot.secret}"},
-                            )
-                            assert r.status_code == 502
-                        while server.stats()["waiting_handlers"] or len(server.table):
-                            await trio.sleep(0.01)
-                    stats = server.table.stats()
-                    calls = _calls_alive() - before
-                finally:
-                    gc.enable()
-            nursery.cancel_scope.cancel()
-        return stats, calls
+    request = {"model": "m", "messages": [{"role": "user", "content": "x" * BODY_CHARS}]}
 
-    stats, calls = trio.run(main)
+    async def call(http, slot):
+        headers = {"authorization": f"Bearer {slot.secret}"}
+        r = await http.post(slot.base_url + "/chat/completions", json=request, headers=headers)
+        assert r.status_code == 502
+
+    stats, calls, _ = _failing_calls(_closed_port, call)
     assert stats["live_bytes"] == 0 and calls == 0, stats

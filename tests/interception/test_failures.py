@@ -44,6 +44,16 @@ async def stream_call(h, slot, kind, request, *, until_bytes: int = 0, then=None
         return r.status_code, received, None
 
 
+async def broken_stream(h, slot, kind, **kw) -> bytes:
+    """A streamed call (``kw`` as for :func:`stream_call`) whose answer starts
+    (200) but does not end cleanly: the agent sees a broken stream, not a
+    clean end it could mistake for a complete answer.  Returns the bytes read."""
+    status, received, error = await stream_call(h, slot, kind, body(kind, stream=True), **kw)
+    assert status == 200
+    assert isinstance(error, httpx.RemoteProtocolError)  # the body never ends cleanly
+    return received
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_unregister_before_the_upstream_answers_resolves_the_handler_at_once(kind, stream):
@@ -82,11 +92,7 @@ def test_unregister_mid_stream_breaks_the_stream_at_once(kind):
     async def fn(h):
         h.upstream.hang_after = 3  # a few events, then silence
         slot, trajectory = h.open("r")
-        status, received, error = await stream_call(
-            h, slot, kind, body(kind, stream=True), until_bytes=1, then=lambda: h.server.unregister("r")
-        )
-        assert status == 200
-        assert isinstance(error, httpx.RemoteProtocolError)  # the body never ends cleanly
+        received = await broken_stream(h, slot, kind, until_bytes=1, then=lambda: h.server.unregister("r"))
         assert b"rollout r was closed during the call" in received
         assert TERMINAL[kind] not in received
         await until(lambda: h.upstream.disconnects == 1)
@@ -101,8 +107,7 @@ def test_cut_upstream_stream_is_an_error_turn_and_a_broken_stream(kind):
     async def fn(h):
         h.upstream.cut_after = 3
         slot, trajectory = h.open()
-        status, received, error = await stream_call(h, slot, kind, body(kind, stream=True))
-        assert status == 200 and isinstance(error, httpx.RemoteProtocolError)
+        received = await broken_stream(h, slot, kind)
         assert TERMINAL[kind] not in received and b"upstream stream cut" in received
         (turn,) = trajectory.turns
         assert turn.error.startswith("upstream stream cut") and turn.streamed
@@ -190,8 +195,7 @@ def test_upstream_silent_mid_stream_times_out_into_a_broken_stream(kind):
     async def fn(h):
         h.upstream.hang_after = 3
         slot, trajectory = h.open()
-        status, received, error = await stream_call(h, slot, kind, body(kind, stream=True))
-        assert status == 200 and isinstance(error, httpx.RemoteProtocolError)
+        received = await broken_stream(h, slot, kind)
         assert b"upstream stream timed out" in received
         assert trajectory.turns[0].error.startswith("upstream stream timed out")
         await h.assert_clean()
@@ -220,8 +224,7 @@ def test_malformed_upstream_answer_is_502_or_a_broken_stream(kind, stream):
         h.upstream.malformed = True
         slot, trajectory = h.open()
         if stream:
-            status, received, error = await stream_call(h, slot, kind, body(kind, stream=True))
-            assert status == 200 and isinstance(error, httpx.RemoteProtocolError)
+            await broken_stream(h, slot, kind)
             assert trajectory.turns[0].error.startswith("upstream sent a malformed event")
         else:
             r = await h.call(slot, kind, body(kind))

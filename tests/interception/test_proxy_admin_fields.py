@@ -6,17 +6,11 @@ compare a string with a number inside the session store: a 500.
 
 from __future__ import annotations
 
-import httpx
 import orjson
 import pytest
 import trio
 
-from lowwater.http import serve
-from lowwater.interception.proxy import ProxyConfig, serve_proxy
-from lowwater.trainer.sessions import SessionConfig
-
-from ._harness import GUARD_S
-from .upstream import Upstream
+from ._proxy import with_proxy
 
 CASES = [
     # (method, path, body, words the reason must contain)
@@ -48,26 +42,14 @@ CASES = [
 
 @pytest.mark.parametrize(("method", "path", "body", "words"), CASES)
 def test_a_wrongly_typed_field_is_a_400_naming_it(tmp_path, method, path, body, words):
-    async def main():
-        async with trio.open_nursery() as nursery:
-            address = await nursery.start(serve, Upstream())
-            config = ProxyConfig(
-                upstream=f"http://{address}/v1",
-                port=0,
-                out_dir=tmp_path,
-                admin_key="adm",
-                retries=0,
-                sessions=SessionConfig(),
-            )
-            url = await nursery.start(serve_proxy, config)
-            async with httpx.AsyncClient(timeout=GUARD_S, headers={"x-api-key": "adm"}) as http:
-                with trio.fail_after(GUARD_S):
-                    assert (await http.post(f"{url}/lowwater/rollouts", json={"rollout_id": "s"})).status_code == 200
-                    r = await http.request(method, url + path, content=orjson.dumps(body))
-                    held = (await http.get(f"{url}/lowwater/sessions")).json()["sessions"]
-            nursery.cancel_scope.cancel()
-        return r, held
+    got = {}
 
-    r, held = trio.run(main)
+    async def fn(url, http):
+        assert (await http.post(f"{url}/lowwater/rollouts", json={"rollout_id": "s"})).status_code == 200
+        got["r"] = await http.request(method, url + path, content=orjson.dumps(body))
+        got["held"] = (await http.get(f"{url}/lowwater/sessions")).json()["sessions"]
+
+    trio.run(with_proxy, tmp_path, fn)
+    r, held = got["r"], got["held"]
     assert r.status_code == 400 and words in r.json()["error"], r.text
     assert held == 1  # nothing was removed

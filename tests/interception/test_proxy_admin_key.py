@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
 import stat
-import subprocess
-import sys
 
 import httpx
 import trio
@@ -22,9 +19,8 @@ from lowwater.http import serve
 from lowwater.interception.proxy import ProxyConfig, admin_key_file, read_admin_key, serve_proxy
 
 from ._harness import GUARD_S
+from ._proxy import proxy_process
 from .upstream import Upstream
-
-MAIN = "import sys; from lowwater import cli; sys.exit(cli.main(sys.argv[1:]))"
 
 
 async def _in_process(tmp_path, fn, **config):
@@ -100,26 +96,10 @@ def test_a_given_key_writes_no_file_and_no_auth_is_open(tmp_path):
 async def _run_cli(tmp_path, extra, env, fn):
     async with trio.open_nursery() as nursery:
         address = await nursery.start(serve, Upstream())
-        process = await trio.lowlevel.open_process(
-            [sys.executable, "-c", MAIN, "proxy", "--upstream", f"http://{address}/v1"]
-            + ["--listen", "127.0.0.1:0", "--out", str(tmp_path / "out"), *extra],
-            stderr=subprocess.PIPE,
-            env=env,
-        )
-        err = b""
-        try:
-            with trio.fail_after(GUARD_S):
-                while b"listening on" not in err or not err.endswith(b"\n"):
-                    err += await process.stderr.receive_some()
-                url = err.split(b"listening on ")[1].split(b" ")[0].decode()
-                async with httpx.AsyncClient(timeout=GUARD_S) as http:
-                    await fn(url, http, err.decode())
-                process.send_signal(signal.SIGTERM)
-                assert await process.wait() == 143
-        finally:
-            if process.returncode is None:
-                process.kill()
-            await process.stderr.aclose()
+        args = ["--upstream", f"http://{address}/v1", "--out", str(tmp_path / "out"), *extra]
+        async with proxy_process(args, env) as child:
+            await fn(child.url, child.http, child.stderr.decode())
+            assert await child.terminate() == 143
         nursery.cancel_scope.cancel()
 
 

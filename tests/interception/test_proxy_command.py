@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
-import sys
 
 import httpx
 import orjson
@@ -20,10 +18,9 @@ from lowwater.http import serve
 from lowwater.interception.proxy import ProxyConfig, serve_proxy
 
 from ._harness import GUARD_S, body
+from ._proxy import proxy_process
 from .test_failures import until
 from .upstream import Upstream
-
-MAIN = "import sys; from lowwater import cli; sys.exit(cli.main(sys.argv[1:]))"
 
 
 def args(tmp_path, *extra: str) -> argparse.Namespace:
@@ -197,43 +194,13 @@ def test_proxy_process_serves_and_writes_open_rollouts_on_interrupt(tmp_path, si
         upstream = Upstream()
         async with trio.open_nursery() as nursery:
             address = await nursery.start(serve, upstream)
-            env = {**os.environ, "LOWWATER_ADMIN_KEY": "k"}
-            process = await trio.lowlevel.open_process(
-                [
-                    sys.executable,
-                    "-c",
-                    MAIN,
-                    "proxy",
-                    "--upstream",
-                    f"http://{address}/v1",
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--out",
-                    str(tmp_path),
-                ],
-                stderr=subprocess.PIPE,
-                env=env,
-            )
-            try:
-                with trio.fail_after(GUARD_S):
-                    banner = b""
-                    while b"\n" not in banner:
-                        banner += await process.stderr.receive_some()
-                    url = banner.split(b"listening on ")[1].split(b" ")[0].decode()
-                    async with httpx.AsyncClient() as http:
-                        opened = (await http.post(f"{url}/lowwater/rollouts", headers={"x-api-key": "k"})).json()
-                        r = await http.post(
-                            opened["base_url"] + "/chat/completions",
-                            json=body("chat"),
-                            headers={"authorization": f"Bearer {opened['api_key']}"},
-                        )
-                        assert r.status_code == 200
-                    process.send_signal(signum)
-                    assert await process.wait() == code
-            finally:
-                if process.returncode is None:
-                    process.kill()
-                await process.stderr.aclose()
+            async with proxy_process(
+                ["--upstream", f"http://{address}/v1", "--out", str(tmp_path)],
+                env={**os.environ, "LOWWATER_ADMIN_KEY": "k"},
+            ) as child:
+                opened = await child.open()
+                assert (await child.call(opened, body("chat"))).status_code == 200
+                assert await child.terminate(signum) == code
             nursery.cancel_scope.cancel()
         (line,) = lines(tmp_path)
         assert line["rollout_id"] == opened["rollout_id"] and len(line["turns"]) == 1

@@ -14,20 +14,15 @@ from __future__ import annotations
 
 import functools
 
-import httpx
 import orjson
 import pytest
 import trio
 
-from lowwater.http import MAX_JSON_DEPTH, lifespan, send_bytes, serve
+from lowwater.http import MAX_JSON_DEPTH, lifespan, send_bytes
 from lowwater.interception import server as server_module
-from lowwater.interception.proxy import ProxyConfig, serve_proxy
-from lowwater.trainer.sessions import SessionConfig
 
-from ._harness import GUARD_S, body
-from .upstream import Upstream
-
-ADMIN = {"x-api-key": "adm"}
+from ._harness import body
+from ._proxy import with_proxy
 
 
 def nested(levels: int) -> bytes:
@@ -38,27 +33,6 @@ def nested(levels: int) -> bytes:
 def chat_nesting(levels: int) -> bytes:
     """A chat request whose whole document nests ``levels`` levels (body, messages, message, then arrays)."""
     return b'{"model": "m", "messages": [{"role": "user", "content": "hi", "x": %s}]}' % nested(levels - 3)
-
-
-async def _with_proxy(tmp_path, fn, upstream=None, **config):
-    async with trio.open_nursery() as nursery:
-        address = await nursery.start(serve, upstream or Upstream())
-        proxy_config = ProxyConfig(
-            upstream=f"http://{address}/v1",
-            port=0,
-            out_dir=tmp_path,
-            admin_key="adm",
-            retries=0,
-            sessions=SessionConfig(),
-            **config,
-        )
-        with trio.fail_after(GUARD_S):
-            async with trio.open_nursery() as proxy_nursery:
-                url = await proxy_nursery.start(serve_proxy, proxy_config)
-                async with httpx.AsyncClient(timeout=GUARD_S, headers=ADMIN) as http:
-                    await fn(url, http)
-                proxy_nursery.cancel_scope.cancel()  # shutdown: open rollouts are written
-        nursery.cancel_scope.cancel()
 
 
 async def _open(http, url, rollout_id):
@@ -95,7 +69,7 @@ def test_a_request_nesting_past_the_limit_is_refused_and_the_rollout_written(tmp
         r = await http.post(f"{url}/lowwater/export", json={"session_ids": ["r"]})
         assert r.status_code == 200 and len(r.json()["records"]) == 1 and r.json()["failed"] == {}
 
-    trio.run(functools.partial(_with_proxy, tmp_path, fn, model=model))
+    trio.run(functools.partial(with_proxy, tmp_path, fn, model=model))
     assert len(lines(tmp_path)["r"]["turns"]) == 1
 
 
@@ -119,7 +93,7 @@ def test_an_answer_nesting_past_the_limit_is_recorded_as_an_error(tmp_path):
         assert r.status_code == 200  # the agent gets the answer as the upstream sent it
         assert (await http.delete(f"{url}/lowwater/rollouts/r")).status_code == 200
 
-    trio.run(_with_proxy, tmp_path, fn, upstream)
+    trio.run(with_proxy, tmp_path, fn, upstream)
     (turn,) = lines(tmp_path)["r"]["turns"]
     assert turn["completion"] is None and f"nests deeper than {MAX_JSON_DEPTH}" in turn["error"]
 
@@ -148,7 +122,7 @@ def test_each_write_is_on_its_own(tmp_path, monkeypatch):
         results["ready"] = sessions["ready_ids"]
         # "b", "bad-open" and "c" are still open: shutdown writes each.
 
-    trio.run(_with_proxy, tmp_path, fn)
+    trio.run(with_proxy, tmp_path, fn)
     assert [rec["session_id"] for rec in results["export"]["records"]] == ["a"]
     assert list(results["export"]["failed"]) == ["bad"] and results["ready"] == ["bad"]
     written = lines(tmp_path)

@@ -7,19 +7,14 @@ null byte``, and the sessions popped after it were never dumped.
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import trio
 
-from lowwater.http import serve
 from lowwater.ids import MAX_ID_CHARS, check_id, is_valid_id
-from lowwater.interception.proxy import ProxyConfig, serve_proxy
-from lowwater.trainer.sessions import SessionConfig, SessionStore, dump_path
+from lowwater.trainer.sessions import SessionStore, dump_path
 
-from ._harness import GUARD_S
-from .upstream import Upstream
+from ._proxy import with_proxy
 
-ADMIN = {"x-api-key": "adm"}
 BAD = ["a\x00b", "a/b", "..", ".", "", "x" * (MAX_ID_CHARS + 1), "a b", "é", "-lead", "a\nb", "a%41"]
 GOOD = ["a", "A.b_c:d-e", "0" * MAX_ID_CHARS, "task-3:0"]
 
@@ -45,24 +40,6 @@ def test_the_session_store_refuses_a_bad_id_and_never_builds_a_path_from_one(tmp
     for bad in ("a\x00b", "../../etc/passwd", "a/b"):
         path = dump_path(tmp_path, bad)
         assert path.parent == tmp_path and path.name.startswith("session-") and "\x00" not in str(path)
-
-
-async def _with_proxy(tmp_path, fn):
-    async with trio.open_nursery() as nursery:
-        address = await nursery.start(serve, Upstream())
-        config = ProxyConfig(
-            upstream=f"http://{address}/v1",
-            port=0,
-            out_dir=tmp_path,
-            admin_key="adm",
-            retries=0,
-            sessions=SessionConfig(),
-        )
-        url = await nursery.start(serve_proxy, config)
-        async with httpx.AsyncClient(timeout=GUARD_S, headers=ADMIN) as http:
-            with trio.fail_after(GUARD_S):
-                await fn(url, http)
-        nursery.cancel_scope.cancel()
 
 
 def test_admin_refuses_bad_ids_with_400(tmp_path):
@@ -91,4 +68,4 @@ def test_admin_refuses_bad_ids_with_400(tmp_path):
         # "xA" is closed; its session is held until exported.
         assert stats["open_rollouts"] == len(GOOD) and stats["sessions"]["sessions"] == len(GOOD) + 1
 
-    trio.run(_with_proxy, tmp_path, fn)
+    trio.run(with_proxy, tmp_path, fn)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -25,10 +23,10 @@ from lowwater.interception.proxy import ProxyConfig, plugin_summary, serve_proxy
 from lowwater.plugins import load
 
 from ._harness import GUARD_S, KINDS, PATHS, body
+from ._proxy import proxy_process
 from .upstream import Upstream
 
 PLUGINS = Path(__file__).parent / "plugins"
-MAIN = "import sys; from lowwater import cli; sys.exit(cli.main(sys.argv[1:]))"
 ADMIN = {"x-api-key": "adm"}
 SECRET_TEXT = "my session is tok-S3CR3T; what is 2 plus 2"
 
@@ -163,32 +161,19 @@ def test_lowwater_proxy_process_applies_interceptors_and_names_them_at_start(tmp
                 "PYTHONPATH": os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")]),
                 "PROXY_GUARD_LOG": str(log),
             }
-            argv = ["proxy", "--upstream", f"http://{address}/v1", "--listen", "127.0.0.1:0", "--out", str(tmp_path)]
-            process = await trio.lowlevel.open_process(
-                [sys.executable, "-c", MAIN, *argv], stderr=subprocess.PIPE, env=env
-            )
-            try:
-                with trio.fail_after(GUARD_S):
-                    banner = b""
-                    while banner.count(b"\n") < 2:  # the address line, then the plugins line
-                        banner += await process.stderr.receive_some()
-                    text = banner.decode()
-                    assert "intercept_request: proxy_guard; intercept_response: proxy_guard" in text
-                    assert key not in text
-                    url = text.split("listening on ")[1].split(" ")[0]
-                    async with httpx.AsyncClient() as http:
-                        opened = (await http.post(f"{url}/lowwater/rollouts", headers={"x-api-key": key})).json()
-                        r = await _call(http, opened, "chat", body("chat", SECRET_TEXT))
-                        assert r.status_code == 200
-                        r = await _call(http, opened, "messages", body("messages", "something forbidden"))
-                        assert r.status_code == 403 and r.json()["type"] == "error"
-                        assert r.json()["error"]["message"] == "proxy_guard: this topic is forbidden"
-                    process.send_signal(signal.SIGTERM)
-                    assert await process.wait() == 128 + signal.SIGTERM
-            finally:
-                if process.returncode is None:
-                    process.kill()
-                await process.stderr.aclose()
+            args = ["--upstream", f"http://{address}/v1", "--out", str(tmp_path)]
+            # The banner: the address line, then the plugins line.
+            async with proxy_process(args, env, banner_lines=2) as child:
+                text = child.stderr.decode()
+                assert "intercept_request: proxy_guard; intercept_response: proxy_guard" in text
+                assert key not in text
+                opened = await child.open()
+                r = await _call(child.http, opened, "chat", body("chat", SECRET_TEXT))
+                assert r.status_code == 200
+                r = await _call(child.http, opened, "messages", body("messages", "something forbidden"))
+                assert r.status_code == 403 and r.json()["type"] == "error"
+                assert r.json()["error"]["message"] == "proxy_guard: this topic is forbidden"
+                assert await child.terminate() == 128 + signal.SIGTERM
             nursery.cancel_scope.cancel()
         assert len(upstream.received) == 1
         assert b"tok-S3CR3T" not in orjson.dumps(upstream.received[0][2])

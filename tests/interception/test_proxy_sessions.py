@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import stat
 
-import httpx
 import orjson
 import pytest
 import trio
@@ -15,28 +14,17 @@ import trio
 from lowwater import cli
 from lowwater.commands import proxy
 from lowwater.commands.proxy import config_from_args
-from lowwater.http import serve
-from lowwater.interception.proxy import ProxyConfig, serve_proxy
 from lowwater.trainer.sessions import SessionConfig, load_dump
 
-from ._harness import GUARD_S, body
+from ._harness import body
+from ._proxy import with_proxy
 from .test_failures import until
-from .upstream import Upstream
 
 
 async def _with_proxy(tmp_path, fn, sessions: SessionConfig | None):
-    upstream = Upstream()
-    async with trio.open_nursery() as nursery:
-        address = await nursery.start(serve, upstream)
-        config = ProxyConfig(
-            upstream=f"http://{address}/v1", port=0, out_dir=tmp_path, admin_key="adm", retries=0, sessions=sessions
-        )
-        url = await nursery.start(serve_proxy, config)
-        # The admin key on every request (a rollout's own key goes first, so model calls still use it).
-        async with httpx.AsyncClient(timeout=GUARD_S, headers={"x-api-key": "adm"}) as http:
-            with trio.fail_after(GUARD_S):
-                await fn(url, http)
-        nursery.cancel_scope.cancel()
+    """``fn(url, http)`` against a proxy with ``sessions``; ``http`` sends the admin key on every
+    request (a rollout's own key goes first, so model calls still use it)."""
+    await with_proxy(tmp_path, fn, sessions=sessions)
 
 
 async def _call(http, opened, text="what is 2 plus 2", history=None):
