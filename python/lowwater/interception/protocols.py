@@ -179,10 +179,16 @@ def _object(body: Any) -> Json:
     return body
 
 
-def _string(body: Json, key: str) -> str:
+def _required(body: Json, key: str) -> Any:
+    """``body[key]``; 400 ``missing field`` when it is absent or null."""
     value = body.get(key)
     if value is None:
         raise _bad(f"missing field {key!r}")
+    return value
+
+
+def _string(body: Json, key: str) -> str:
+    value = _required(body, key)
     if not isinstance(value, str):
         raise _bad(f"field {key!r} must be a string")
     return value
@@ -198,9 +204,7 @@ def _stream_flag(body: Json) -> bool:
 
 
 def _messages(body: Json, roles: tuple[str, ...]) -> list[Any]:
-    messages = body.get("messages")
-    if messages is None:
-        raise _bad("missing field 'messages'")
+    messages = _required(body, "messages")
     if not isinstance(messages, list):
         raise _bad("field 'messages' must be a list of message objects")
     if not messages:
@@ -360,9 +364,7 @@ class OpenAIResponses(Protocol):
     def parse(self, body: Any) -> Request:
         body = _object(body)
         model = _string(body, "model")
-        items = body.get("input")
-        if items is None:
-            raise _bad("missing field 'input'")
+        items = _required(body, "input")
         if isinstance(items, str):
             messages: list[Any] = [{"role": "user", "content": items}]
         elif isinstance(items, list) and items:
@@ -435,9 +437,7 @@ class AnthropicMessages(Protocol):
     def parse(self, body: Any) -> Request:
         body = _object(body)
         model = _string(body, "model")
-        max_tokens = body.get("max_tokens")
-        if max_tokens is None:
-            raise _bad("missing field 'max_tokens'")
+        max_tokens = _required(body, "max_tokens")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise _bad("field 'max_tokens' must be a positive integer")
         system = body.get("system")
