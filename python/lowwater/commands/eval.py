@@ -288,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
 
     from lowwater import eval as eval_mod
     from lowwater.eval.results import ResultsFileError
+    from lowwater.excgroups import sole_error
     from lowwater.plugins import UnknownName
     from lowwater.upstream.spec import UpstreamError
 
@@ -298,23 +299,23 @@ def run(args: argparse.Namespace) -> int:
     progress = None if args.no_progress or not console.is_terminal else _Progress(console)
     user_errors = (UnknownName, ResultsFileError, UpstreamError, ValueError, OSError)
     on_progress = None if progress is None else progress.update
+    user_error: Exception | None = None
     try:
         if progress is None:
             report, signum = trio.run(until_signal, lambda: eval_mod.run_eval(config))
         else:
             with progress:
                 report, signum = trio.run(until_signal, lambda: eval_mod.run_eval(config, on_progress=on_progress))
-    except user_errors as exc:
+    except* user_errors as group:
         # Environment options and data files: a missing file or a malformed
-        # line is reported by the environment with its path and line number.
-        raise UsageError(str(exc)) from None
-    except BaseExceptionGroup as group:
-        # Raised inside the run's nurseries (a data line read mid-run): one
-        # user error is still one line, not a tree of tracebacks.
-        leaf = _single_leaf(group)
-        if isinstance(leaf, user_errors):
-            raise UsageError(str(leaf)) from None
-        raise
+        # line is reported by the environment with its path and line number,
+        # before the run or inside its nurseries (a data line read mid-run):
+        # one user error is one line, not a tree of tracebacks.
+        user_error = sole_error(group)
+        if user_error is None:
+            raise
+    if user_error is not None:
+        raise UsageError(str(user_error))
     if report is None:
         import signal
 
@@ -359,16 +360,6 @@ def _exit_status(summary: dict[str, Any], max_error_rate: float) -> int:
         file=sys.stderr,
     )
     return 1
-
-
-def _single_leaf(group: BaseExceptionGroup) -> BaseException | None:
-    """The one exception a (nested) group wraps, or None if it holds several."""
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        if len(exc.exceptions) != 1:
-            return None
-        exc = exc.exceptions[0]
-    return exc
 
 
 class _Progress:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 
@@ -119,20 +118,22 @@ def run(args: argparse.Namespace) -> int:
     else:
         what = f"replay of {model.name.split(':', 1)[1]!r} ({len(model.solutions)} questions)"
 
-    bound = False
+    bind_error: OSError | None = None
     # Started by a run (lowwater.upstream.spec): stop when its pipe closes.
     raw_fd = os.environ.pop("LOWWATER_PARENT_FD", None)
     parent_fd = int(raw_fd) if raw_fd and raw_fd.isdigit() else None
 
     async def main() -> None:
-        nonlocal bound
+        nonlocal bind_error
         async with trio.open_nursery() as nursery:
-            url = await nursery.start(
-                functools.partial(
-                    serve_model, model, args.host, args.port, advertise=args.advertise, admin_key=admin_key
-                )
+            serving = functools.partial(
+                serve_model, model, args.host, args.port, advertise=args.advertise, admin_key=admin_key
             )
-            bound = True
+            try:
+                url = await nursery.start(serving)
+            except OSError as err:  # serve_model raises it bare: the address cannot be bound
+                bind_error = err
+                return
             if parent_fd is not None:
                 nursery.start_soon(_stop_with_parent, parent_fd, nursery.cancel_scope)
             print(url, flush=True)
@@ -151,17 +152,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         # Ctrl-C and SIGTERM (how the eval runner stops its child server) end it by cancellation.
         trio.run(until_signal, main)
-        print("lowwater serve-model: stopped", file=sys.stderr)
-    except BaseException as exc:
-        leaves = list(_leaves(exc))
-        if all(isinstance(e, KeyboardInterrupt) for e in leaves):
-            # Ctrl-C is how a server is meant to stop.
-            print("lowwater serve-model: stopped", file=sys.stderr)
-            return 0
-        if not bound and len(leaves) == 1 and isinstance(leaves[0], OSError):
-            bind_error = leaves[0]
-            raise UsageError(f"cannot bind {args.host}:{args.port}: {bind_error.strerror or bind_error}") from None
-        raise
+    except* KeyboardInterrupt:
+        pass  # a second Ctrl-C, during that cancellation: Ctrl-C is how a server is meant to stop
+    if bind_error is not None:
+        raise UsageError(f"cannot bind {args.host}:{args.port}: {bind_error.strerror or bind_error}")
+    print("lowwater serve-model: stopped", file=sys.stderr)
     return 0
 
 
@@ -177,12 +172,3 @@ async def _stop_with_parent(fd: int, scope: Any) -> None:
     except OSError:
         pass
     scope.cancel()
-
-
-def _leaves(error: BaseException) -> Iterator[BaseException]:
-    """The exceptions inside (nested) exception groups, or ``error`` itself."""
-    if isinstance(error, BaseExceptionGroup):
-        for inner in error.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield error

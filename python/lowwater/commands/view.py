@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from lowwater.cli import UsageError
     from lowwater.commands.signals import until_signal
     from lowwater.eval.results import ResultsFileError
+    from lowwater.excgroups import sole_error
     from lowwater.http import serve
     from lowwater.viewer import Viewer
 
@@ -53,13 +54,19 @@ def run(args: argparse.Namespace) -> int:
             f"lowwater view: warning: binding {args.host} shows this run's prompts and completions to the network",
             file=sys.stderr,
         )
-    bound = False
+    bind_error: OSError | None = None
 
     async def main() -> None:
-        nonlocal bound
+        nonlocal bind_error
         async with trio.open_nursery() as nursery:
-            address = await nursery.start(serve, viewer, args.host, args.port)
-            bound = True
+            try:
+                address = await nursery.start(serve, viewer, args.host, args.port)
+            except* OSError as group:  # the address cannot be bound (inside the HTTP layer's groups)
+                bind_error = sole_error(group)
+                if bind_error is None:
+                    raise
+            if bind_error is not None:
+                return
             url = f"http://{address}/"
             print(url, flush=True)
             print(f"lowwater view: {args.results} at {url}; Ctrl-C to stop", file=sys.stderr, flush=True)
@@ -68,18 +75,15 @@ def run(args: argparse.Namespace) -> int:
 
                 webbrowser.open(url)
 
+    interrupted = False
     try:
         trio.run(until_signal, main)
-    except BaseException as exc:
-        from lowwater.commands.serve_model import _leaves
-
-        leaves = list(_leaves(exc))
-        if all(isinstance(e, KeyboardInterrupt) for e in leaves):
-            return 0
-        if not bound and len(leaves) == 1 and isinstance(leaves[0], OSError):
-            raise UsageError(f"cannot bind {args.host}:{args.port}: {leaves[0].strerror or leaves[0]}") from None
-        raise
-    print("lowwater view: stopped", file=sys.stderr)
+    except* KeyboardInterrupt:
+        interrupted = True  # a second Ctrl-C, during the cancellation the first one started
+    if bind_error is not None:
+        raise UsageError(f"cannot bind {args.host}:{args.port}: {bind_error.strerror or bind_error}")
+    if not interrupted:
+        print("lowwater view: stopped", file=sys.stderr)
     return 0
 
 

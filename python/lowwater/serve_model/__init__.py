@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import trio
 
+from lowwater.excgroups import sole_error
 from lowwater.http.server import open_server
 from lowwater.serve_model.app import Model, build_app
 from lowwater.serve_model.replay import ModelError, ReplayDataError, ReplayModel, Reply, ToolCall, UnknownQuestion
@@ -63,6 +64,7 @@ async def serve_model(
             not Trio's nested exception groups around it).
     """
     started = False
+    bind_error: OSError | None = None
     server = open_server(
         "serve-model", build_app(model, admin_key=admin_key), host, port, advertise=advertise, admin_key=admin_key
     )
@@ -70,17 +72,9 @@ async def serve_model(
         async with server as (_, address):
             started = True
             task_status.started(f"http://{address}")
-    except BaseExceptionGroup as group:
-        error = None if started else _sole_leaf(group)
-        if isinstance(error, OSError):
-            raise error from None
-        raise
-
-
-def _sole_leaf(error: BaseException) -> BaseException | None:
-    """The one exception inside nested exception groups, or ``None`` if there are several."""
-    while isinstance(error, BaseExceptionGroup):
-        if len(error.exceptions) != 1:
-            return None
-        error = error.exceptions[0]
-    return error
+    except* OSError as group:
+        bind_error = None if started else sole_error(group)
+        if bind_error is None:
+            raise
+    if bind_error is not None:
+        raise bind_error from None
