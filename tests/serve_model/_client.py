@@ -17,7 +17,7 @@ import orjson
 import pytest
 import trio
 
-from lowwater.envs.calculator import CalculatorError, evaluate, format_result
+from _sdk_agents import CHAT_TOOLS, MESSAGES_TOOLS, RESPONSES_TOOLS, calculate
 from lowwater.serve_model import ReplayModel, serve_model
 
 # The recorded GPT-3 solutions beside this checkout (never copied into the repo).
@@ -28,10 +28,6 @@ requires_data = pytest.mark.skipif(
 )
 PROTOCOLS = ("chat", "responses", "messages")
 PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
-
-CHAT_TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
-RESPONSES_TOOLS = [{"type": "function", "name": "calculator", "parameters": {"type": "object"}}]
-MESSAGES_TOOLS = [{"name": "calculator", "input_schema": {"type": "object"}}]
 
 
 @functools.cache
@@ -61,13 +57,6 @@ class Turn:
     payload: str | None = None
     logprobs: list[dict[str, Any]] | None = None
     raw: Any = None
-
-
-def calculate(expression: str) -> str:
-    try:
-        return format_result(evaluate(expression))
-    except CalculatorError as exc:
-        return f"error: {exc}"
 
 
 def run_with_server(model: Any, fn: Any) -> Any:
