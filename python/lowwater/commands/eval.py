@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import TracebackType
 from typing import Any, TypeVar
 
 import orjson
@@ -398,8 +399,10 @@ class _Progress:
         self.progress.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.progress.__exit__(*exc)  # type: ignore[arg-type]
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.progress.__exit__(exc_type, exc, traceback)
 
     def update(self, totals: Any, rss: int) -> None:
         elapsed = max(time.perf_counter() - self.started, 1e-9)

@@ -197,7 +197,11 @@ class Lowwater:
         self.http = http
         self.plugins = plugins
         self.step = 0
-        self.env = env if env is not None else engine.env  # type: ignore[union-attr]
+        if env is None:
+            if engine is None:
+                raise TypeError("Lowwater needs its engine, or the environment when the engines run in workers")
+            env = engine.env
+        self.env = env
         self._tasks = _cycle(self.env)
         self._upstream_url = upstream_url
         self.closed = False

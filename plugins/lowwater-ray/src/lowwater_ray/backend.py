@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterable, Callable, Hashable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import attrs
@@ -491,8 +491,12 @@ class _Source:
     def __init__(self, task_ids: Iterable[Any] | AsyncIterable[Any], notify: Callable[[], None]) -> None:
         self.exhausted = False
         self._notify = notify
-        self._aiter = task_ids.__aiter__() if isinstance(task_ids, AsyncIterable) else None
-        self._iter = None if self._aiter is not None else iter(task_ids)  # type: ignore[arg-type]
+        self._aiter: AsyncIterator[Any] | None = None
+        self._iter: Iterator[Any] | None = None
+        if isinstance(task_ids, AsyncIterable):
+            self._aiter = task_ids.__aiter__()
+        else:
+            self._iter = iter(task_ids)
         self._item: Any = _WAIT
         self._wanted = trio.Event()
 
