@@ -8,7 +8,8 @@ upstream, append the turn to the trajectory, deliver the answer (relaying
 SSE as it arrives and holding the terminal event until the turn is
 recorded), and discard the intercept in ``finally``.  A peer kept every
 intercepted body (the full history with base64 images) until its rollout
-ended and ran out of memory within a few training steps (docs/design.md#incidents).  Here the agent's bytes live once, in the table: the upstream
+ended and ran out of memory within a few training steps
+(docs/design.md#incidents).  Here the agent's bytes live once, in the table: the upstream
 request is sent from a zero-copy view of the table entry, and of the parsed
 body only the turn's message delta and the tools offered (one list per
 distinct set in a trajectory) outlive the parse.
@@ -26,6 +27,14 @@ intercept table is full), the upstream's own 4xx (429 with its
 malformed answer) and 504 (upstream timeout).  None is a 500, except a
 call an interceptor plugin failed on (:mod:`lowwater.interception.hooks`);
 an interceptor's :class:`~lowwater.interception.hooks.Reject` gives its own status.
+
+Why one module of ~700 lines: it is one call's path, read top to bottom
+(intake, hooks, table, forward, relay, record, discard), and every step
+shares the per-call state (``_Call``) and the server's counters; the wire
+formats (:mod:`.protocols`, :mod:`.sse`), the hooks (:mod:`.hooks`), slots
+(:mod:`.slots`) and the HTTP plumbing (:mod:`lowwater.http`) already live
+elsewhere.  (The per-call path is due to move into the Rust data plane:
+docs/dataplane.md.)
 """
 
 from __future__ import annotations
