@@ -16,11 +16,7 @@ import pytest
 from lowwater.cli import build_parser
 from lowwater.eval.results import read_rows, read_summary
 
-
-def lowwater(*args, cwd, timeout=240):
-    return subprocess.run(
-        [sys.executable, "-m", "lowwater", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
+from ._cli import lowwater, start_eval, wait_for_lines
 
 
 def test_misspelt_and_abbreviated_flags_are_refused_with_a_suggestion(tmp_path):
@@ -152,14 +148,11 @@ def test_a_model_server_dying_mid_run_ends_the_run_at_once(tmp_path):
     import psutil
 
     out = tmp_path / "r.jsonl"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lowwater", "eval", "-n", "400", "-c", "2", "--out", str(out), "--no-progress"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = start_eval(
+        "-n", "400", "-c", "2", out=out, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
-        deadline = time.monotonic() + 120
-        while (not out.exists() or out.read_bytes().count(b"\n") < 3) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for_lines(out, 3)
         (child,) = [c for c in psutil.Process(proc.pid).children() if "serve-model" in c.cmdline()]
         child.kill()
         _, err = proc.communicate(timeout=120)

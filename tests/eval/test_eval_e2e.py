@@ -7,8 +7,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import orjson
@@ -16,35 +14,15 @@ import pytest
 import trio
 
 from lowwater.eval import SUMMARY_KEYS, EvalConfig, run_eval
-from lowwater.eval.results import read_rows
 from lowwater.upstream.spec import ModelSpec
+
+from ._cli import lowwater, rows_of, start_eval, wait_for_lines
 
 GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
 needs_gsm8k = pytest.mark.skipif(
     not (GSM8K / "test.jsonl").is_file(),
     reason="GSM8K data not found beside the checkout (../shared/data/gsm8k; see the README's GSM8K section)",
 )
-
-
-def lowwater(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lowwater", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
-
-
-def wait_for_lines(path: Path, lines: int, timeout_s: float = 120) -> None:
-    """Poll until ``path`` holds ``lines`` lines (header included) or the timeout passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_bytes().count(b"\n") >= lines:
-            return
-        time.sleep(0.05)
-
-
-def rows_of(path: Path) -> list[dict]:
-    header, rows, torn = read_rows(path)
-    assert header is not None and not torn
-    return rows
 
 
 def test_embedded_default_in_process(tmp_path):
@@ -125,13 +103,10 @@ def test_existing_results_are_not_overwritten(tmp_path):
 def test_resume_after_sigkill_has_one_row_per_task(tmp_path):
     out = tmp_path / "r.jsonl"
     n = 40
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lowwater", "eval", "-n", str(n), "-c", "2", "--out", str(out), "--no-progress"],
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    proc = start_eval(
+        "-n", str(n), "-c", "2", out=out, cwd=tmp_path,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
     try:
         wait_for_lines(out, 4)
         os.killpg(proc.pid, signal.SIGKILL)  # the eval and its serve-model child
@@ -243,22 +218,10 @@ def test_signal_cancels_the_run_and_resume_completes_it(tmp_path, signum, worker
     the cancelled and unstarted tasks, one row per task."""
     out = tmp_path / "r.jsonl"
     n = 60
-    argv = [
-        sys.executable,
-        "-m",
-        "lowwater",
-        "eval",
-        "-n",
-        str(n),
-        "-c",
-        "2",
-        "--out",
-        str(out),
-        "--no-progress",
-        "--workers",
-        str(workers),
-    ]
-    proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_eval(
+        "-n", str(n), "-c", "2", "--workers", str(workers), out=out, cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
     try:
         wait_for_lines(out, 4)
         proc.send_signal(signum)
@@ -285,13 +248,10 @@ def test_sigkill_of_the_eval_takes_its_serve_model_child_with_it(tmp_path):
     import psutil
 
     out = tmp_path / "r.jsonl"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lowwater", "eval", "-n", "400", "-c", "2", "--out", str(out), "--no-progress"],
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    proc = start_eval(
+        "-n", "400", "-c", "2", out=out, cwd=tmp_path,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
     try:
         wait_for_lines(out, 3)
 

@@ -6,22 +6,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import psutil
 import trio
 
 from lowwater.eval import EvalConfig, run_eval
-from lowwater.eval.results import read_rows
 
-
-def rows_of(path: Path) -> list[dict]:
-    header, rows, torn = read_rows(path)
-    assert header is not None and not torn
-    return rows
+from ._cli import rows_of, start_eval
 
 
 def test_workers_recycle_by_count_and_write_one_row_per_task(tmp_path):
@@ -63,29 +56,10 @@ def _workers_of(parent: psutil.Process) -> list[psutil.Process]:
 def test_sigkill_of_a_worker_mid_eval_leaves_one_row_per_task(tmp_path):
     out = tmp_path / "k.jsonl"
     n = 160
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "lowwater",
-            "eval",
-            "-n",
-            str(n),
-            "--env-option",
-            f"size={n}",
-            "-c",
-            "16",
-            "--workers",
-            "2",
-            "--no-progress",
-            "--out",
-            str(out),
-        ],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_eval(
+        "-n", str(n), "--env-option", f"size={n}", "-c", "16", "--workers", "2", out=out, cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
     try:
         parent = psutil.Process(proc.pid)
         killed = None

@@ -45,6 +45,17 @@ print(errors)
 """
 
 
+def _disk_full(*_args, **_kwargs):
+    """Stands in for ``os.fsync`` on a full disk."""
+    raise OSError(28, "No space left on device")
+
+
+def _prepare(path: Path, run_id: str, *, resume: bool) -> None:
+    """Start (or resume) a results file of an arithmetic run ``run_id``."""
+    header = {"type": "lowwater.eval.header", "run_id": run_id, "env": "arithmetic"}
+    prepare(path, header, resume=resume, group_size=1, max_attempts=3)
+
+
 def test_failed_append_leaves_only_whole_lines(tmp_path):
     path = tmp_path / "t.jsonl"
     out = subprocess.run([sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True, timeout=60)
@@ -74,11 +85,7 @@ def test_existing_file_is_made_private(tmp_path):
 def test_atomic_write_failure_leaves_no_tmp_and_the_old_file(tmp_path, monkeypatch):
     path = tmp_path / "r.jsonl"
     path.write_bytes(b'{"old": 1}\n')
-
-    def full(*_a, **_k):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(os, "fsync", full)
+    monkeypatch.setattr(os, "fsync", _disk_full)
     with pytest.raises(OSError):
         write_atomic(path, [b'{"new": 1}\n'])
     assert path.read_bytes() == b'{"old": 1}\n'
@@ -87,22 +94,10 @@ def test_atomic_write_failure_leaves_no_tmp_and_the_old_file(tmp_path, monkeypat
 
 def test_resume_on_a_full_disk_is_a_results_error_without_tmp(tmp_path, monkeypatch):
     path = tmp_path / "r.jsonl"
-    prepare(
-        path,
-        {"type": "lowwater.eval.header", "run_id": "a", "env": "arithmetic"},
-        resume=False,
-        group_size=1,
-        max_attempts=3,
-    )
-    monkeypatch.setattr(os, "fsync", lambda *_: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    _prepare(path, "a", resume=False)
+    monkeypatch.setattr(os, "fsync", _disk_full)
     with pytest.raises(ResultsFileError, match="No space left"):
-        prepare(
-            path,
-            {"type": "lowwater.eval.header", "run_id": "b", "env": "arithmetic"},
-            resume=True,
-            group_size=1,
-            max_attempts=3,
-        )
+        _prepare(path, "b", resume=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]
     header, rows, torn = read_rows(path)
     assert header["run_id"] == "a" and rows == [] and not torn
@@ -110,13 +105,7 @@ def test_resume_on_a_full_disk_is_a_results_error_without_tmp(tmp_path, monkeypa
 
 def test_results_writer_file_mode(tmp_path):
     path: Path = tmp_path / "r.jsonl"
-    prepare(
-        path,
-        {"type": "lowwater.eval.header", "run_id": "a", "env": "arithmetic"},
-        resume=False,
-        group_size=1,
-        max_attempts=3,
-    )
+    _prepare(path, "a", resume=False)
     with ResultsWriter(path) as w:
         pass
     assert w.rows_written == 0 and stat.S_IMODE(path.stat().st_mode) == 0o600

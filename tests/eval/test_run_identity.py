@@ -16,11 +16,7 @@ from lowwater.eval.header import DEFINING_KEYS, build_header, differences
 from lowwater.eval.results import ResultsFileError, prepare, read_rows
 from lowwater.upstream.spec import ModelSpec, UpstreamError
 
-
-def lowwater(*args, cwd):
-    return subprocess.run(
-        [sys.executable, "-m", "lowwater", *args], cwd=cwd, capture_output=True, text=True, timeout=240
-    )
+from ._cli import lowwater
 
 
 def test_header_records_every_defining_setting(tmp_path):

@@ -68,6 +68,21 @@ def assert_empty(pool: RuntimePool) -> None:
         assert rt._root is None or not rt._root.exists(), "a runtime directory outlived aclose"
 
 
+TRACKED = {"subprocess": Tracking}
+
+
+def run_in_pool(fn, factories=TRACKED) -> None:
+    """``trio.run`` ``await fn(pool)`` inside ``async with RuntimePool(factories)``
+    (``None``: the built-in runtimes), then check the closed pool left nothing."""
+
+    async def main():
+        async with RuntimePool(factories) as pool:
+            await fn(pool)
+        assert_empty(pool)
+
+    trio.run(main)
+
+
 def test_release_resets_and_the_next_acquire_reuses_it(tmp_path):
     script = tmp_path / "s.py"
     script.write_text("import os\ndef main(argv):\n    return str(os.getpid())\n")
@@ -92,62 +107,58 @@ def test_release_resets_and_the_next_acquire_reuses_it(tmp_path):
 
 
 def test_different_configs_get_different_runtimes():
-    async def main():
-        async with RuntimePool({"subprocess": Tracking}) as pool:
-            a = await pool.acquire(CFG)
-            await pool.release(a)
-            b = await pool.acquire(RuntimeConfig(persistent=True, env={"X": "1"}))
-            assert b is not a
-            await pool.release(b)
-            assert pool.idle == 2
-        assert_empty(pool)
+    async def body(pool):
+        a = await pool.acquire(CFG)
+        await pool.release(a)
+        b = await pool.acquire(RuntimeConfig(persistent=True, env={"X": "1"}))
+        assert b is not a
+        await pool.release(b)
+        assert pool.idle == 2
 
-    trio.run(main)
+    run_in_pool(body)
 
 
-def test_a_runtime_failing_its_health_check_is_replaced():
-    async def main():
-        async with RuntimePool({"subprocess": Tracking}) as pool:
-            first = await pool.acquire(CFG)
-            first.sick = True
-            await pool.release(first)
-            assert pool.stats()["replaced"] == 1 and pool.idle == 0 and first._stopped
-            second = await pool.acquire(CFG)
-            assert second is not first
-            await pool.release(second)
-            # Unhealthy while idle: found out at acquire, replaced, not handed out.
-            second.sick = True
-            third = await pool.acquire(CFG)
-            assert third is not second and second._stopped
-            assert pool.stats()["replaced"] == 2 and pool.stats()["created"] == 3
-            await pool.release(third)
-        assert_empty(pool)
-
-    trio.run(main)
+def _fail_health_check(rt):
+    rt.sick = True
 
 
-def test_a_failing_reset_replaces_the_runtime():
-    async def main():
-        async with RuntimePool({"subprocess": Tracking}) as pool:
-            rt = await pool.acquire(CFG)
-            Tracking.fail_reset = True
-            await pool.release(rt)
-            assert pool.stats()["replaced"] == 1 and pool.idle == 0 and rt._stopped
-        assert_empty(pool)
-
-    trio.run(main)
+def _fail_reset(rt):
+    Tracking.fail_reset = True
 
 
-def test_a_deleted_workdir_makes_the_builtin_runtime_unhealthy():
-    async def main():
-        async with RuntimePool() as pool:
-            rt = await pool.acquire(CFG)
-            rt.workdir.rmdir()
-            await pool.release(rt)
-            assert pool.stats()["replaced"] == 1
-        assert_empty(pool)
+def _delete_workdir(rt):
+    rt.workdir.rmdir()  # the built-in runtime's health check finds it gone
 
-    trio.run(main)
+
+@pytest.mark.parametrize(
+    ("breaks", "factories"),
+    [(_fail_health_check, TRACKED), (_fail_reset, TRACKED), (_delete_workdir, None)],
+    ids=["health-check", "reset", "deleted-workdir"],
+)
+def test_a_runtime_broken_while_held_is_replaced_at_release(breaks, factories):
+    async def body(pool):
+        rt = await pool.acquire(CFG)
+        breaks(rt)
+        await pool.release(rt)
+        assert pool.stats()["replaced"] == 1 and pool.idle == 0 and rt._stopped
+        again = await pool.acquire(CFG)
+        assert again is not rt
+        await pool.release(again)
+
+    run_in_pool(body, factories)
+
+
+def test_a_runtime_unhealthy_while_idle_is_replaced_at_acquire():
+    async def body(pool):
+        first = await pool.acquire(CFG)
+        await pool.release(first)
+        first.sick = True
+        second = await pool.acquire(CFG)  # found out at acquire, replaced, not handed out
+        assert second is not first and first._stopped
+        assert pool.stats()["replaced"] == 1 and pool.stats()["created"] == 2
+        await pool.release(second)
+
+    run_in_pool(body)
 
 
 def test_provisioning_failures_raise_runtime_start_error():
@@ -235,9 +246,15 @@ def test_aclose_while_runtimes_are_held():
     trio.run(main)
 
 
-def test_acquire_waiting_for_a_slot_when_the_pool_closes():
+@pytest.mark.parametrize(
+    "options",
+    # demand: the waiter would get a second runtime only after HANG_S of waiting.
+    [{"max_size": 1}, {"max_size": 4, "grow": "demand", "first_grow_after_s": HANG_S}],
+    ids=["eager", "demand"],
+)
+def test_acquire_waiting_for_a_slot_when_the_pool_closes(options):
     async def main():
-        pool = RuntimePool({"subprocess": Tracking}, max_size=1)
+        pool = RuntimePool({"subprocess": Tracking}, **options)
         held = await pool.acquire(CFG)
         outcome = []
 
@@ -252,7 +269,7 @@ def test_acquire_waiting_for_a_slot_when_the_pool_closes():
             await trio.testing.wait_all_tasks_blocked()
             await pool.aclose()
             await pool.release(held)
-        assert outcome == ["closed"]
+        assert outcome == ["closed"] and pool.stats()["created"] == 1
         assert_empty(pool)
 
     trio.run(main)
@@ -307,13 +324,11 @@ def test_release_of_a_foreign_runtime_is_refused():
 
 
 def test_a_single_factory_serves_every_config():
-    async def main():
-        async with RuntimePool(functools.partial(Tracking)) as pool:
-            async with pool.acquire(RuntimeConfig(kind="anything")) as rt:
-                assert isinstance(rt, Tracking)
-        assert_empty(pool)
+    async def body(pool):
+        async with pool.acquire(RuntimeConfig(kind="anything")) as rt:
+            assert isinstance(rt, Tracking)
 
-    trio.run(main)
+    run_in_pool(body, functools.partial(Tracking))
 
 
 def test_cancelled_during_start_leaves_nothing():

@@ -1,6 +1,7 @@
 """RuntimePool(grow="demand"): one runtime while releases keep up, one more
 only while acquires wait longer than the recent hold time, idle extras
-retired, and closing wakes the waiters.  Fake runtimes on a fake clock."""
+retired.  Fake runtimes on a fake clock.  That closing wakes the waiters is
+in test_pool.py (for both modes)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from lowwater.runtime import PoolClosed, RuntimeConfig, RuntimePool
+from lowwater.runtime import RuntimeConfig, RuntimePool
 
 CFG = RuntimeConfig(persistent=True)
 
@@ -46,19 +47,24 @@ def run(fn):
     trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
+async def concurrent_holds(pool: RuntimePool, n: int, hold_s: float) -> None:
+    """``n`` tasks at once, each holding a runtime of ``pool`` for ``hold_s`` (fake) seconds."""
+
+    async def hold():
+        async with pool.acquire(CFG):
+            await trio.sleep(hold_s)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(n):
+            nursery.start_soon(hold)
+
+
 def test_short_holds_share_one_runtime_even_with_a_slow_first_start():
     Fake.start_s = 3.0  # the first use imports the verifier: no herd of starts meanwhile
 
     async def main():
         async with RuntimePool(Fake, max_size=4, grow="demand") as pool:
-
-            async def score():
-                async with pool.acquire(CFG):
-                    await trio.sleep(0.001)
-
-            async with trio.open_nursery() as nursery:
-                for _ in range(200):
-                    nursery.start_soon(score)
+            await concurrent_holds(pool, 200, 0.001)  # scores
             assert pool.created == 1
 
     run(main)
@@ -67,14 +73,8 @@ def test_short_holds_share_one_runtime_even_with_a_slow_first_start():
 def test_long_holds_grow_the_pool_up_to_max_size():
     async def main():
         async with RuntimePool(Fake, max_size=4, grow="demand", first_grow_after_s=0.5) as pool:
-
-            async def agent():
-                async with pool.acquire(CFG):
-                    await trio.sleep(2.0)  # a program harness holds its runtime for the rollout
-
-            async with trio.open_nursery() as nursery:
-                for _ in range(16):
-                    nursery.start_soon(agent)
+            # Agents: a program harness holds its runtime for the rollout.
+            await concurrent_holds(pool, 16, 2.0)
             assert pool.created == 4  # waiting became dearer than starting, up to the bound
             eager = RuntimePool(Fake, max_size=4)
             assert eager.grow == "eager"
@@ -104,28 +104,6 @@ def test_idle_extras_are_retired():
     run(main)
 
 
-def test_waiters_see_the_pool_close():
-    async def main():
-        pool = RuntimePool(Fake, max_size=4, grow="demand", first_grow_after_s=100)
-        held = await pool.acquire(CFG)
-        outcome = []
-
-        async def waiter():
-            try:
-                await pool.acquire(CFG)
-            except PoolClosed:
-                outcome.append("closed")
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(waiter)
-            await trio.testing.wait_all_tasks_blocked()
-            await pool.aclose()
-        await pool.release(held)
-        assert outcome == ["closed"] and pool.created == 1
-
-    run(main)
-
-
 def test_bad_grow_is_refused():
     with pytest.raises(ValueError, match="grow"):
         RuntimePool(Fake, grow="lazy")
@@ -135,14 +113,7 @@ def test_a_long_queue_grows_the_pool_without_waiting_out_the_patience():
     async def main():
         async with RuntimePool(Fake, max_size=4, grow="demand", first_grow_after_s=1000) as pool:
             started = trio.current_time()
-
-            async def agent():
-                async with pool.acquire(CFG):
-                    await trio.sleep(2.0)
-
-            async with trio.open_nursery() as nursery:
-                for _ in range(32):
-                    nursery.start_soon(agent)
+            await concurrent_holds(pool, 32, 2.0)
             # Once two holds of 2 s are known, 30 waiters on one runtime predict a
             # minute's wait: it grows to four at once, not after 1000 s of patience.
             assert pool.created == 4
