@@ -39,12 +39,17 @@ def source():
     return a
 
 
-def test_fetch_buffer_rss_returns_after_clear(source):
+def warm_buffer(source) -> tuple[FetchBuffer, int]:
+    """A FetchBuffer that has held and cleared one shard, and the RSS baseline
+    taken after: the code paths (and any lazily allocated state) are warm."""
     fb = FetchBuffer()
-    # Warm up the code paths (and any lazily allocated state) before the baseline.
     fb.put("warm", source, dtype="uint64", shape=source.shape)
     fb.clear()
-    base = rss()
+    return fb, rss()
+
+
+def test_fetch_buffer_rss_returns_after_clear(source):
+    fb, base = warm_buffer(source)
     for cycle in range(2):
         for k in range(COUNT):
             fb.put(f"s{k}", source, dtype="uint64", shape=(SHARD // 8,), owner="o")
@@ -68,10 +73,7 @@ def test_fetch_buffer_rss_returns_after_clear(source):
 
 
 def test_fetch_buffer_rss_returns_after_pop_and_replace(source):
-    fb = FetchBuffer()
-    fb.put("warm", source, dtype="uint64", shape=source.shape)
-    fb.clear()
-    base = rss()
+    fb, base = warm_buffer(source)
     for k in range(COUNT):
         fb.put(f"s{k % (COUNT // 2)}", source, dtype="uint64", shape=(SHARD // 8,))  # second half replaces
     assert fb.stats()["removals"] == 1 + COUNT // 2  # the warm-up clear, then the replacements
@@ -83,10 +85,7 @@ def test_fetch_buffer_rss_returns_after_pop_and_replace(source):
 
 
 def test_fetch_buffer_view_held_over_clear(source):
-    fb = FetchBuffer()
-    fb.put("warm", source, dtype="uint64", shape=source.shape)
-    fb.clear()
-    base = rss()
+    fb, base = warm_buffer(source)
     for k in range(COUNT):
         fb.put(f"s{k}", source, dtype="uint64", shape=(SHARD // 8,))
     kept = [fb.get(f"s{k}") for k in range(0, COUNT, 16)]  # 8 views, 32 MiB

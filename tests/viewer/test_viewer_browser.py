@@ -44,6 +44,20 @@ def count_text(driver):
     return driver.find_element(By.ID, "count").text
 
 
+def view_eval(browser, view, out: Path, *args: str, timeout: float = 240) -> None:
+    """Run ``lowwater eval ARGS --out OUT --no-progress`` and open its results in
+    the viewer, waiting until the page has loaded them."""
+    done = subprocess.run(
+        [sys.executable, "-m", "lowwater", "eval", *args, "--out", str(out), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr
+    browser.get(view(out))
+    ready(browser)
+
+
 def set_value(driver, element_id, value):
     element = driver.find_element(By.ID, element_id)
     element.clear()
@@ -62,13 +76,7 @@ def assert_not_blank(png: bytes) -> None:
 
 def test_a_real_run_in_the_browser(tmp_path, browser, view):
     out = tmp_path / "r.jsonl"
-    done = subprocess.run(
-        [sys.executable, "-m", "lowwater", "eval", "-n", "6", "--group-size", "2", "--out", str(out), "--no-progress"],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    browser.get(view(out))
-    ready(browser)
+    view_eval(browser, view, out, "-n", "6", "--group-size", "2")
     assert count_text(browser) == "12 of 12 rollouts"
     assert "arithmetic" in browser.find_element(By.ID, "title").text
     # the memory plot: two lines, a title naming env, model and run
@@ -221,15 +229,12 @@ def test_gsm8k_transcripts_open_in_the_viewer(tmp_path, browser, view):
     if "gsm8k" not in load().environments:
         pytest.skip("lowwater-gsm8k is not installed (pip install -e plugins/lowwater-gsm8k)")
     out = tmp_path / "g.jsonl"
-    done = subprocess.run(
-        [sys.executable, "-m", "lowwater", "eval", "gsm8k", "--data", str(GSM8K / "test.jsonl"), "-n", "10",
-         "--model", f"replay:{GSM8K / 'example_model_solutions.jsonl'}#175b_verification", "--out", str(out),
-         "--no-progress", "--max-error-rate", "1"],
-        capture_output=True, text=True, timeout=300,
+    view_eval(
+        browser, view, out,
+        "gsm8k", "--data", str(GSM8K / "test.jsonl"), "-n", "10",
+        "--model", f"replay:{GSM8K / 'example_model_solutions.jsonl'}#175b_verification", "--max-error-rate", "1",
+        timeout=300,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    browser.get(view(out))
-    ready(browser)
     assert count_text(browser) == "10 of 10 rollouts"
     Select(browser.find_element(By.ID, "f-correct")).select_by_value("false")
     wait(browser, lambda d: int(count_text(d).split()[0]) < 10)
