@@ -89,6 +89,42 @@ impl Drop for Borrowed {
     }
 }
 
+/// `#[pymethods] impl $class` with what both read-only views (`ShardView`,
+/// `InterceptView`) export alike, then `$methods`: `nbytes`, `len()` and the
+/// buffer protocol over the payload in `self.$entry.payload`, an `Arc` the view
+/// owns (so the bytes outlive the entry's removal from its table).
+macro_rules! view_pymethods {
+    ($class:ident, $entry:ident, $($methods:tt)*) => {
+        #[::pyo3::pymethods]
+        impl $class {
+            #[getter]
+            fn nbytes(&self) -> usize {
+                self.$entry.payload.len()
+            }
+
+            fn __len__(&self) -> usize {
+                self.$entry.payload.len()
+            }
+
+            unsafe fn __getbuffer__(
+                slf: ::pyo3::Bound<'_, Self>,
+                view: *mut ::pyo3::ffi::Py_buffer,
+                flags: ::std::os::raw::c_int,
+            ) -> ::pyo3::PyResult<()> {
+                let bytes = slf.get().$entry.payload.as_slice();
+                // SAFETY: the payload is immutable and owned (through the Arc) by
+                // `slf`, which the filled view references until it is released.
+                unsafe { $crate::buffer::export(slf.as_ptr(), bytes, view, flags, slf.py()) }
+            }
+
+            unsafe fn __releasebuffer__(&self, _view: *mut ::pyo3::ffi::Py_buffer) {}
+
+            $($methods)*
+        }
+    };
+}
+pub(crate) use view_pymethods;
+
 /// Fill `view` with a read-only, C-contiguous, unsigned-byte view of `bytes`
 /// owned by `owner` (which the view keeps alive).
 ///

@@ -11,7 +11,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyTuple};
 
-use crate::buffer::{export, Borrowed, DETACH_BYTES};
+use crate::buffer::{view_pymethods, Borrowed, DETACH_BYTES};
 use crate::errors::{guarded, to_py};
 use crate::table::table_pymethods;
 
@@ -29,8 +29,9 @@ pub struct ShardView {
     shard: Arc<Shard>,
 }
 
-#[pymethods]
-impl ShardView {
+view_pymethods! {
+    ShardView, shard,
+
     #[getter]
     fn shard_id(&self) -> &str {
         &self.shard.id
@@ -44,15 +45,8 @@ impl ShardView {
         PyTuple::new(py, self.shard.shape.iter().copied())
     }
     #[getter]
-    fn nbytes(&self) -> usize {
-        self.shard.payload.len()
-    }
-    #[getter]
     fn owner(&self) -> &str {
         &self.shard.owner
-    }
-    fn __len__(&self) -> usize {
-        self.shard.payload.len()
     }
     fn __repr__(&self) -> String {
         format!(
@@ -64,13 +58,6 @@ impl ShardView {
             &*self.shard.owner
         )
     }
-    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
-        let bytes = slf.get().shard.payload.as_slice();
-        // SAFETY: the payload is immutable and owned (through the Arc) by `slf`,
-        // which the filled view references until it is released.
-        unsafe { export(slf.as_ptr(), bytes, view, flags, slf.py()) }
-    }
-    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
 }
 
 /// A put in progress on a `FetchBuffer`: a writable buffer (the payload

@@ -1,15 +1,13 @@
 //! Python binding of the intercept table.
 
-use std::os::raw::c_int;
 use std::sync::Arc;
 use std::time::Duration;
 
 use lowwater_core::{Intercept, InterceptTable as CoreTable};
 use pyo3::exceptions::PyValueError;
-use pyo3::ffi;
 use pyo3::prelude::*;
 
-use crate::buffer::{export, Borrowed, DETACH_BYTES};
+use crate::buffer::{view_pymethods, Borrowed, DETACH_BYTES};
 use crate::errors::{guarded, to_py};
 use crate::table::table_pymethods;
 
@@ -19,8 +17,9 @@ pub struct InterceptView {
     intercept: Arc<Intercept>,
 }
 
-#[pymethods]
-impl InterceptView {
+view_pymethods! {
+    InterceptView, intercept,
+
     #[getter]
     fn request_id(&self) -> &str {
         &self.intercept.request_id
@@ -37,17 +36,10 @@ impl InterceptView {
     fn stream(&self) -> bool {
         self.intercept.stream
     }
-    #[getter]
-    fn nbytes(&self) -> usize {
-        self.intercept.payload.len()
-    }
     /// Seconds since the intercept was inserted.
     #[getter]
     fn age_s(&self) -> f64 {
         self.intercept.age().as_secs_f64()
-    }
-    fn __len__(&self) -> usize {
-        self.intercept.payload.len()
     }
     fn __repr__(&self) -> String {
         format!(
@@ -59,12 +51,6 @@ impl InterceptView {
             self.intercept.payload.len()
         )
     }
-    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
-        let bytes = slf.get().intercept.payload.as_slice();
-        // SAFETY: the body is immutable and owned (through the Arc) by `slf`.
-        unsafe { export(slf.as_ptr(), bytes, view, flags, slf.py()) }
-    }
-    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
 }
 
 /// The intercept table: `request_id -> intercept` for in-flight model calls.
