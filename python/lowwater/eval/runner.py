@@ -14,7 +14,6 @@ import difflib
 import logging
 import time
 import uuid
-from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,283 +21,21 @@ from typing import Any
 import attrs
 import trio
 
-from lowwater import _validate as v
 from lowwater import plugins as plugins_mod
-from lowwater.assembly import EngineConfig, open_engine
-from lowwater.environment import HARNESSES, Environment, Task, declared_options
-from lowwater.eval import metrics
+from lowwater.assembly import open_engine
+from lowwater.environment import Environment, Task, declared_options
+from lowwater.eval.config import EvalConfig
 from lowwater.eval.header import build_header
 from lowwater.eval.results import SUMMARY_TYPE, ResultsWriter, prepare
-from lowwater.eval.samples import SamplesWriter, encode, samples_path, transcript
+from lowwater.eval.samples import SamplesWriter, encode, transcript
+from lowwater.eval.summary import SUMMARY_KEYS, EvalReport, Totals
 from lowwater.memory import MemoryRecord, Trimmer, rss_bytes
-from lowwater.rollout import ERROR_CLASSES, Engine, Rollout
-from lowwater.upstream.spec import ModelSpec, model_server
+from lowwater.rollout import Engine, Rollout
+from lowwater.upstream.spec import model_server
 
 log = logging.getLogger("lowwater.eval")
 
-#: The keys of ``--summary-json``, in order.
-SUMMARY_KEYS = (
-    "rollouts",
-    "completed",
-    "errors",
-    "accuracy",
-    "reward_mean",
-    "turns_mean",
-    "wall_s",
-    "rollouts_per_s",
-    "rss_baseline_mb",
-    "rss_peak_mb",
-    "rss_resting_mb",
-    "leftovers",
-    "accuracy_stderr",
-    "accuracy_ci95",
-    "tasks",
-    "pass_at_k",
-    "pass_hat_k",
-    "error_rate",
-    "top_errors",
-)
-
-
-def _tuple(items: Any) -> tuple[Any, ...]:
-    return tuple(items)
-
-
-@attrs.frozen
-class EvalConfig:
-    """Everything ``lowwater eval`` takes; the CLI flags map one to one.
-
-    Attributes:
-        env: environment name (``register_environments``).
-        env_options: options for the environment's factory (``--data`` ...).
-        model: the resolved ``--model``.
-        sampling: sampling arguments added to every model call the agent
-            makes (``--temperature``, ``--top-p``, ``--max-tokens``, ``-S``);
-            a key the agent's request sets itself is left as the agent set it.
-        rollouts: tasks to run (``None``: all from ``start`` on).
-        start: 0-based position in the taskset of the first task to run
-            (``--limit START-END``).
-        task_ids: run exactly these tasks, looked up by id (``--task-ids``);
-            excludes ``rollouts`` and ``start``.
-        group_size: rollouts per task (a group when > 1).
-        concurrency: rollouts in flight at once.
-        max_turns: model calls per rollout.
-        timeout_s: whole-rollout deadline (seconds).
-        harness: ``"inprocess"`` or ``"program"``.
-        persistent: take runtimes from a pool (reset between uses).
-        out: the JSONL results file.
-        resume: continue ``out`` instead of refusing to touch it.
-        max_attempts: eval runs that may attempt an errored task (``--resume``).
-        seed: recorded in the header; environments take it from ``env_options``.
-        tick_s: worker-tick cadence (seconds): RSS samples, stale sweeps.
-        workers: env worker processes (``--workers``); 0 runs every rollout
-            in this process.  With workers, each runs its own interception
-            server and engine (see :mod:`lowwater.eval.job`) and the model
-            server is shared.
-        max_tasks_per_worker, max_rss_mb, high_water_mb: recycling and
-            admission settings of the worker pool (see
-            :class:`lowwater.workers.WorkerPool`).
-        backend: the worker backend the workers run on (``--backend``;
-            ``register_backends``): ``"local"`` (this machine) or a
-            plugin's (``"ray"``: ``workers`` per node).
-        address: the cluster the backend joins (``--address``; ``ray``:
-            ``auto`` or ``HOST:PORT``).
-        bind, advertise: where the model server this run starts (scripted,
-            replay) binds and the host its URL names (``--bind``,
-            ``--advertise``); beyond loopback it needs ``LOWWATER_ADMIN_KEY``,
-            which the workers then send.  A remote backend (``ray``) refuses
-            a model server its workers cannot reach.
-        pass_env: host variables passed to agent programs and scripts beyond
-            the runtime's allow-list (``--pass-env``).
-        samples: write every rollout's transcript to :attr:`samples_path`
-            (``--no-samples`` turns it off).
-        max_error_rate: the share of rollouts (0 to 1) that may end in an
-            error before ``lowwater eval`` exits non-zero.
-        runtime: the runtime's registered name (``--runtime``; ``None``: the
-            environment's, else ``"subprocess"``; :mod:`lowwater.runtime_choice`).
-        runtime_options: its options (``--runtime-option KEY=VALUE``).
-        program: the agent program's command line with ``harness="program"``
-            (``--program``; :mod:`lowwater.program_harness`).
-
-    Raises:
-        ValueError: a setting out of range (the message names its flag).
-    """
-
-    env: str = "arithmetic"
-    env_options: dict[str, Any] = attrs.field(factory=dict)
-    model: ModelSpec = ModelSpec("scripted", "scripted")
-    sampling: dict[str, Any] = attrs.field(factory=dict)
-    rollouts: int | None = attrs.field(default=None, validator=v.optional(v.at_least(0, "rollouts")))
-    start: int = attrs.field(default=0, validator=v.at_least(0, "limit start"))
-    task_ids: tuple[Any, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(_tuple))
-    group_size: int = attrs.field(default=1, validator=v.at_least(1, "group-size"))
-    concurrency: int = attrs.field(default=32, validator=v.at_least(1))
-    max_turns: int = attrs.field(default=16, validator=v.at_least(1, "max-turns"))
-    timeout_s: float = attrs.field(default=600.0, validator=v.positive("timeout", "seconds"))
-    harness: str = attrs.field(default="inprocess", validator=v.one_of(HARNESSES, "harness"))
-    persistent: bool = True
-    out: Path = Path("runs/results.jsonl")
-    resume: bool = False
-    max_attempts: int = attrs.field(default=3, validator=v.at_least(1, "max-attempts"))
-    seed: int = 0
-    tick_s: float = attrs.field(default=1.0, validator=v.positive("tick", "seconds"))
-    workers: int = attrs.field(default=0, validator=v.at_least(0))
-    backend: str = attrs.field(default="local", validator=v.backend_needs_workers("--backend {}", "--workers K"))
-    address: str | None = None
-    bind: str = "127.0.0.1"
-    advertise: str | None = None
-    max_tasks_per_worker: int | None = attrs.field(
-        default=500, validator=v.optional(v.at_least(1, "max-tasks-per-worker"))
-    )
-    max_rss_mb: float | None = attrs.field(default=None, validator=v.optional(v.positive("max-rss-mb")))
-    high_water_mb: float | None = attrs.field(default=None, validator=v.optional(v.positive("high-water-mb")))
-    pass_env: tuple[str, ...] = attrs.field(default=(), converter=v.str_tuple)
-    samples: bool = True
-    max_error_rate: float = attrs.field(default=0.0)
-    runtime: str | None = None
-    runtime_options: dict[str, Any] = attrs.field(factory=dict)
-    program: str | None = attrs.field(default=None, validator=v.program_needs_harness)
-
-    @max_error_rate.validator
-    def _check_rate(self, _attribute: Any, value: float) -> None:
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"max-error-rate must be between 0 and 1, not {value!r}")
-
-    @property
-    def samples_path(self) -> Path | None:
-        """The samples file beside :attr:`out` (``None`` with ``samples=False``)."""
-        return samples_path(self.out) if self.samples else None
-
-    def engine(self) -> EngineConfig:
-        """The settings that define this run's engines (here or in each worker)."""
-        return EngineConfig(
-            env=self.env,
-            env_options=self.env_options,
-            model=self.model,
-            group_size=self.group_size,
-            concurrency=self.concurrency,
-            max_turns=self.max_turns,
-            timeout_s=self.timeout_s,
-            harness=self.harness,
-            persistent=self.persistent,
-            pass_env=self.pass_env,
-            sampling=self.sampling,
-            runtime=self.runtime,
-            runtime_options=self.runtime_options,
-            program=self.program,
-        )
-
-
-class Totals:
-    """Running totals for the summary (no result is kept).
-
-    Args:
-        group_size: rollouts per task; above 1, two ints per task are kept
-            for pass@k and the clustered standard error.
-
-    Attributes:
-        planned: rollouts this invocation expects to run (``None``: unknown);
-            the progress bar's total.
-    """
-
-    def __init__(self, group_size: int = 1) -> None:
-        self.rollouts = 0
-        self.completed = 0
-        self.correct = 0
-        self.reward_sum = 0.0
-        self.turns_sum = 0
-        self.errors: Counter[str] = Counter()
-        self.messages = metrics.ErrorMessages()
-        self.group_size = group_size
-        self.tasks = metrics.TaskCounts() if group_size > 1 else None
-        self.this_run = 0
-        self.planned: int | None = None
-
-    def add(self, row: dict[str, Any], *, this_run: bool) -> None:
-        self.rollouts += 1
-        self.this_run += this_run
-        self.turns_sum += int(row.get("turns") or 0)
-        error = row.get("error")
-        correct = False
-        if error:
-            cls = error.get("class", "infra")
-            self.errors[cls] += 1
-            self.messages.add(cls, str(error.get("message") or ""))
-        else:
-            self.completed += 1
-            self.reward_sum += float(row.get("reward") or 0.0)
-            correct = bool((row.get("metrics") or {}).get("correct"))
-            self.correct += correct
-        if self.tasks is not None:
-            self.tasks.add(row.get("task_id"), correct)
-
-    @property
-    def reward_mean(self) -> float:
-        """Mean reward over completed rollouts so far (0 before any)."""
-        return self.reward_sum / self.completed if self.completed else 0.0
-
-    def summary(
-        self, wall_s: float, memory: dict[str, float], leftovers: dict[str, int] | None = None
-    ) -> dict[str, Any]:
-        """The ``--summary-json`` figures (see :data:`SUMMARY_KEYS`).
-
-        ``accuracy`` is correct rollouts over all rollouts (an errored
-        rollout counts as wrong); ``reward_mean`` is over completed ones;
-        ``rollouts_per_s`` counts this run's rollouts only.  See
-        :mod:`lowwater.eval.metrics` for the standard error, the interval
-        and pass@k / pass^k (``None`` with group size 1).
-        """
-        n = self.rollouts
-        accuracy = self.correct / n if n else 0.0
-        errors = sum(self.errors.values())
-        if self.tasks is not None:
-            stderr = self.tasks.stderr()
-            k = self.group_size
-            pass_at: dict[str, float | None] | None = {"1": self.tasks.pass_at(1), str(k): self.tasks.pass_at(k)}
-            pass_hat: dict[str, float | None] | None = {"1": self.tasks.pass_hat(1), str(k): self.tasks.pass_hat(k)}
-            tasks = len(self.tasks)
-        else:
-            stderr, pass_at, pass_hat, tasks = metrics.binary_stderr(n, self.correct), None, None, n
-        return {
-            "rollouts": n,
-            "completed": self.completed,
-            "errors": errors,
-            "accuracy": accuracy,
-            "reward_mean": self.reward_mean,
-            "turns_mean": self.turns_sum / n if n else 0.0,
-            "wall_s": round(wall_s, 3),
-            "rollouts_per_s": round(self.this_run / wall_s, 3) if wall_s > 0 else 0.0,
-            **memory,
-            "leftovers": leftovers or {},
-            "accuracy_stderr": None if stderr is None else round(stderr, 6),
-            "accuracy_ci95": metrics.interval95(accuracy, stderr),
-            "tasks": tasks,
-            "pass_at_k": pass_at,
-            "pass_hat_k": pass_hat,
-            "error_rate": errors / n if n else 0.0,
-            "top_errors": self.messages.top(5),
-        }
-
-
-@attrs.define
-class EvalReport:
-    """What :func:`run_eval` returns: the summary, errors by class, the
-    memory record, the results path and the engine's final stats (all zero
-    when nothing leaked).
-
-    ``tasks_available`` is set when ``-n`` asked for more tasks than the
-    taskset has: the number it has (all of which ran).  ``run_id`` is the
-    header's.
-    """
-
-    summary: dict[str, Any]
-    errors_by_class: dict[str, int]
-    memory: MemoryRecord
-    out: Path
-    leftovers: dict[str, int]
-    pool: dict[str, Any] | None = None
-    tasks_available: int | None = None
-    run_id: str = ""
+__all__ = ["SUMMARY_KEYS", "EvalConfig", "EvalReport", "Totals", "run_eval"]
 
 
 async def _choose_runtime(config: EvalConfig, env: Environment, plugins: plugins_mod.Plugins) -> EvalConfig:
@@ -677,6 +414,3 @@ async def _one(
     finally:
         for token in tokens:
             limiter.release_on_behalf_of(token)
-
-
-ERROR_ORDER = ERROR_CLASSES
