@@ -21,6 +21,10 @@ env-worker incident, where trajectories outlived their rollouts).
 Errors are data: a failed rollout records a :class:`RolloutError` with a
 class from :data:`ERROR_CLASSES` and a message, and may be retried under a
 per-class :class:`RetryPolicy`.
+
+Why one module of ~630 lines: the rollout's states, its errors and deadlines
+and the engine that opens, retries and releases it are one lifecycle; the
+ownership rules above are checkable only while they sit together.
 """
 
 from __future__ import annotations

@@ -26,7 +26,10 @@ The pieces: :mod:`~lowwater.workers.contract` (the job, ``TaskInfo``,
 :mod:`~lowwater.workers.launcher` (the lean forkserver launcher),
 :mod:`~lowwater.workers.record` (the parent's record of a worker),
 :mod:`~lowwater.workers.supervision` (the worker half of the pool); this
-module runs a job's tasks: dispatch, delivery and stopping.
+module runs a job's tasks: dispatch, delivery and stopping.  It stays one
+module of ~600 lines because dispatch, re-runs after a crash and the drain
+at stop share the in-flight table, whose every change must keep "exactly one
+row per task".
 """
 
 from __future__ import annotations
