@@ -578,3 +578,48 @@ fn https_upstream_needs_the_tls_feature() {
     }
     assert!(DataPlane::start(Config::new("ftp://x/v1"), "127.0.0.1:0".parse().unwrap()).is_err());
 }
+
+/// Whatever a client sends as a body, the answer is a 4xx with a reason,
+/// never a 500 and never a hang (a deterministic spread of garbage and
+/// near-misses of a valid request).
+#[test]
+fn garbage_bodies_are_400_never_500() {
+    let h = harness(|_| {});
+    let _acker = Acker::start(&h.plane); // a near-miss may still be a valid call, held for its ack
+    h.plane.register("r", "s").unwrap();
+    let valid = chat_body("echo", false, &["hi"]).into_bytes();
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let mut bodies: Vec<Vec<u8>> = vec![
+        Vec::new(),
+        b"null".to_vec(),
+        b"\"str\"".to_vec(),
+        b"{\"model\":\"m\",\"messages\":[{\"role\":\"user\"}]".to_vec(),
+        vec![0xff, 0xfe, b'{'],
+        format!("{{\"model\":\"m\",\"messages\":{}{}}}", "[".repeat(200), "]".repeat(200)).into_bytes(),
+    ];
+    for _ in 0..40 {
+        let len = (next() % 64) as usize;
+        bodies.push((0..len).map(|_| next() as u8).collect());
+        // A valid request with one byte changed or cut short.
+        let mut near = valid.clone();
+        let i = (next() as usize) % near.len();
+        near[i] = next() as u8;
+        bodies.push(near);
+        bodies.push(valid[..(next() as usize) % valid.len()].to_vec());
+    }
+    for body in bodies {
+        let req = request(h.addr(), "/v1/chat/completions", &[("x-api-key", "s")], body.clone());
+        let (status, _, answer) = h.call(req);
+        let shown = String::from_utf8_lossy(&body).to_string();
+        assert!(status == 400 || status == 200, "{status} for {shown:?}");
+        if status == 400 {
+            assert!(!json(&answer)["error"]["message"].as_str().unwrap().is_empty(), "{shown:?}");
+        }
+    }
+}
