@@ -21,12 +21,18 @@ __all__ = [
     "LowwaterError",
     "BufferFull",
     "RolloutClosed",
+    "DataPlaneConfigError",
+    "DataPlaneClosed",
+    "DuplicateRollout",
+    "DuplicateSecret",
     "InternalError",
     "FetchBuffer",
     "ShardView",
     "PendingShard",
     "InterceptTable",
     "InterceptView",
+    "DataPlane",
+    "TurnRecord",
     "DTYPES",
 ]
 
@@ -41,6 +47,20 @@ class BufferFull(LowwaterError):
 
 class RolloutClosed(LowwaterError):
     """An intercept was inserted for a rollout that is not open (or closed meanwhile)."""
+
+class DataPlaneConfigError(LowwaterError):
+    """:class:`DataPlane` cannot start with this configuration: a bad upstream
+    URL, an ``https://`` upstream (the extension is built without TLS), or a
+    limit or count that must be positive given as 0."""
+
+class DataPlaneClosed(LowwaterError):
+    """A method of a :class:`DataPlane` was called after :meth:`DataPlane.close`."""
+
+class DuplicateRollout(LowwaterError):
+    """:meth:`DataPlane.register` of a rollout id that is open already."""
+
+class DuplicateSecret(LowwaterError):
+    """:meth:`DataPlane.register` with a secret another open rollout has."""
 
 class InternalError(LowwaterError):
     """A bug in the extension (a caught Rust panic); the table is still usable."""
@@ -235,3 +255,188 @@ class InterceptTable:
     def keys(self) -> list[str]: ...
     def __len__(self) -> int: ...
     def __contains__(self, request_id: object, /) -> bool: ...
+
+@final
+class TurnRecord:
+    """One recorded model call, drained from a :class:`DataPlane`.
+
+    Attributes:
+        seq: pass to :meth:`DataPlane.ack` to release the call's held last bytes.
+        rollout_id: the rollout the call belongs to.
+        protocol: the protocol's name (``"openai.chat"``, ``"openai.responses"``,
+            ``"anthropic.messages"``); ``protocol_id`` is its index in the
+            data plane's protocol table.
+        model: the ``model`` the agent asked for (``""`` if none).
+        streamed: whether the agent asked for an SSE stream.
+        kept: how many leading messages equal the rollout's previous request's;
+            ``messages`` starts at this index of the request's list.
+        previous: how many messages the previous request had; ``kept <
+            previous`` means the agent rewrote its history, and the request is
+            ``previous_request[:kept] + messages``.
+        messages: the request's messages from ``kept`` on, each its JSON text
+            as sent (bytes; for a plain-string responses ``input``, that JSON string).
+        status: the HTTP status the agent was answered with (the upstream's, or 502/504).
+        response: the upstream's answer bytes: the whole body, or for a stream
+            every event relayed (line endings ``\\n``), terminal event included.
+        error: why the call failed (upstream unreachable, timed out, stream cut), or ``None``.
+        started_s: when the request's head arrived, seconds since the Unix epoch.
+        upstream_s: seconds from the request's arrival to the upstream's
+            response head (0.0 if none came).
+        duration_s: seconds from the request's arrival to the record.
+    """
+
+    @property
+    def seq(self) -> int: ...
+    @property
+    def rollout_id(self) -> str: ...
+    @property
+    def protocol(self) -> str: ...
+    @property
+    def protocol_id(self) -> int: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def streamed(self) -> bool: ...
+    @property
+    def kept(self) -> int: ...
+    @property
+    def previous(self) -> int: ...
+    @property
+    def messages(self) -> tuple[bytes, ...]: ...
+    @property
+    def status(self) -> int: ...
+    @property
+    def response(self) -> bytes: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def started_s(self) -> float: ...
+    @property
+    def upstream_s(self) -> float: ...
+    @property
+    def duration_s(self) -> float: ...
+
+@final
+class DataPlane:
+    """The interception data plane (crate ``rust/dataplane``, docs/dataplane.md):
+    an HTTP/1.1 server on its own tokio runtime that authenticates each model
+    call by its rollout's secret, forwards it to ``upstream`` with ``api_key``,
+    relays the answer, and queues a :class:`TurnRecord` per recorded call.
+    Constructing it starts serving; :meth:`close` stops it.
+
+    With ``hold_for_ack`` each call's last bytes (a stream's terminal event, a
+    whole answer) wait until its record is acked, so the owner must drain and
+    ack every record (``lowwater.interception.dataplane.serve_records``).
+
+    Args:
+        upstream: the upstream's base URL (``http://host:port/v1``); a call to
+            ``/v1/chat/completions`` goes to ``{upstream}/chat/completions``.
+        api_key: sent upstream in place of the rollout's secret (``None``: none sent).
+        host: address to bind (``"127.0.0.1"``); ``port``: 0 for any free port.
+        max_body_bytes: largest request body accepted (bytes); larger is a 413.
+        max_response_bytes: largest non-streamed upstream answer (bytes); larger is a 502.
+        upstream_timeout_s: connect timeout and the longest wait for any part
+            of the upstream's answer (seconds); past it a 504.
+        retries: retries of a connect error, 429 or 5xx.
+        backoff_s: first backoff step (seconds; full jitter, doubling).
+        max_backoff_s: longest backoff and cap on a ``Retry-After`` (seconds).
+        max_concurrency: upstream calls at once; more wait for a slot.
+        pool_idle_timeout_s: idle upstream connections close after this (seconds).
+        hold_for_ack: hold each call's last bytes until :meth:`ack`.
+        worker_threads: tokio worker threads.
+
+    Raises:
+        DataPlaneConfigError: an unusable configuration (see the exception).
+        ValueError: a negative or non-finite duration.
+        OverflowError: a negative count or a port over 65535.
+        OSError: the address cannot be resolved or bound.
+    """
+
+    def __new__(
+        cls,
+        upstream: str,
+        *,
+        api_key: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_body_bytes: int = 64 << 20,
+        max_response_bytes: int = 256 << 20,
+        upstream_timeout_s: float = 600.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 8.0,
+        max_concurrency: int = 1024,
+        pool_idle_timeout_s: float = 5.0,
+        hold_for_ack: bool = True,
+        worker_threads: int = 2,
+    ) -> Self: ...
+    @property
+    def address(self) -> str:
+        """``"host:port"`` the server listens on (the chosen port when 0 was asked)."""
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+    def register(self, rollout_id: str, secret: str) -> None:
+        """Open a rollout: calls with ``Authorization: Bearer <secret>`` or
+        ``x-api-key: <secret>`` are its calls.
+
+        Raises:
+            DuplicateRollout: ``rollout_id`` is open already.
+            DuplicateSecret: another open rollout has ``secret``.
+            ValueError: an empty ``rollout_id`` or ``secret``.
+            DataPlaneClosed: after :meth:`close`.
+        """
+    def unregister(self, rollout_id: str) -> int:
+        """Close a rollout: its secret is refused from now on (401), a call
+        not yet answered gets 410 and a stream under way an error event.
+        Every call of the rollout not cancelled has its record queued when
+        this returns.
+
+        Returns the number of in-flight calls cancelled.
+
+        Raises:
+            KeyError: ``rollout_id`` is not open.
+            DataPlaneClosed: after :meth:`close`.
+        """
+    def wakeup_fd(self) -> int:
+        """An fd that is readable while records wait (owned by the plane: do
+        not close it; it is closed by :meth:`close`, so stop waiting on it first).
+
+        Raises:
+            DataPlaneClosed: after :meth:`close`.
+        """
+    def drain(self) -> list[TurnRecord]:
+        """Every waiting record, oldest first (clears the wakeup fd first, so
+        no wakeup is lost).
+
+        Raises:
+            DataPlaneClosed: after :meth:`close`.
+        """
+    def ack(self, seq: int) -> bool:
+        """Release the held last bytes of record ``seq``; False if nothing
+        waits on it (acked already, its client left, or not held).
+
+        Raises:
+            DataPlaneClosed: after :meth:`close`.
+        """
+    def release_all(self) -> int:
+        """Release every held call; returns how many were held.
+
+        Raises:
+            DataPlaneClosed: after :meth:`close`.
+        """
+    def stats(self) -> dict[str, int]:
+        """A snapshot: ``open_rollouts``, ``secrets``, ``in_flight``,
+        ``active_calls``, ``connections``, ``queued``, ``awaiting_ack`` (now),
+        and the counters since start ``calls``, ``ok``, ``failed``,
+        ``closed``, ``disconnected``, ``refused``.
+
+        Raises:
+            DataPlaneClosed: after :meth:`close`.
+        """
+    def close(self) -> None:
+        """Stop serving, release held calls, stop the runtime and join its
+        threads (the GIL released meanwhile).  Idempotent."""
+    def __enter__(self) -> Self: ...
+    def __exit__(self, exc_type: object, exc: object, tb: object, /) -> bool:
+        """:meth:`close`."""

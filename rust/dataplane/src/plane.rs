@@ -255,6 +255,20 @@ impl DataPlane {
         self.stop_now();
     }
 
+    /// Stop like [`DataPlane::shutdown`], then wait up to `timeout` for the
+    /// runtime's worker threads to exit (joined: none is left running when it
+    /// returns in time).  Blocks the calling thread; do not call it from
+    /// inside another tokio runtime.
+    pub fn shutdown_and_join(mut self, timeout: Duration) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        self.shared.queue.release_all();
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_timeout(timeout);
+        }
+    }
+
     fn stop_now(&mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());

@@ -29,6 +29,15 @@ pyo3::create_exception!(
     LowwaterError,
     "An intercept was inserted for a rollout that is not open."
 );
+pyo3::create_exception!(
+    lowwater,
+    DataPlaneConfigError,
+    LowwaterError,
+    "The data plane cannot start with this configuration (bad upstream URL, https without TLS, a zero limit)."
+);
+pyo3::create_exception!(lowwater, DataPlaneClosed, LowwaterError, "A method of a DataPlane was called after close().");
+pyo3::create_exception!(lowwater, DuplicateRollout, LowwaterError, "register() of a rollout id that is open already.");
+pyo3::create_exception!(lowwater, DuplicateSecret, LowwaterError, "register() with a secret another open rollout has.");
 pyo3::create_exception!(lowwater, InternalError, LowwaterError, "A bug in lowwater's extension (a caught Rust panic).");
 
 pub(crate) fn to_py(err: TableError) -> PyErr {
@@ -62,6 +71,10 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("LowwaterError", py.get_type::<LowwaterError>())?;
     m.add("BufferFull", py.get_type::<BufferFull>())?;
     m.add("RolloutClosed", py.get_type::<RolloutClosed>())?;
+    m.add("DataPlaneConfigError", py.get_type::<DataPlaneConfigError>())?;
+    m.add("DataPlaneClosed", py.get_type::<DataPlaneClosed>())?;
+    m.add("DuplicateRollout", py.get_type::<DuplicateRollout>())?;
+    m.add("DuplicateSecret", py.get_type::<DuplicateSecret>())?;
     m.add("InternalError", py.get_type::<InternalError>())?;
     Ok(())
 }

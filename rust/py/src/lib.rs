@@ -1,4 +1,4 @@
-//! `lowwater._native`: the thin pyo3 binding of `lowwater-core`.
+//! `lowwater._native`: the thin pyo3 binding of `lowwater-core` and `lowwater-dataplane`.
 //!
 //! Only conversion lives here: buffer-protocol reads and exports, argument
 //! validation, error mapping to named exceptions, and panic containment.
@@ -6,6 +6,7 @@
 use pyo3::prelude::*;
 
 mod buffer;
+mod dataplane;
 mod errors;
 mod fetch_buffer;
 mod intercept;
@@ -19,6 +20,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<fetch_buffer::PendingShard>()?;
     m.add_class::<intercept::InterceptTable>()?;
     m.add_class::<intercept::InterceptView>()?;
+    m.add_class::<dataplane::DataPlane>()?;
+    m.add_class::<dataplane::TurnRecord>()?;
     // dtype name -> item size in bytes, the table `put` validates against.
     let dtypes = pyo3::types::PyDict::new(m.py());
     for (name, size) in lowwater_core::dtype::DTYPES {

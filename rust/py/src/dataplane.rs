@@ -1,0 +1,298 @@
+//! Python binding of the interception data plane (`lowwater-dataplane`).
+//!
+//! Conversion only: the Python arguments to a [`Config`], records to
+//! [`TurnRecord`] objects, the crate's errors to named exceptions.  Every wait
+//! (start, close's join) runs with the GIL released: the data plane's threads
+//! never take the GIL, but the Trio loop that serves the control plane (and,
+//! in tests, the upstream) must keep running meanwhile.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::{PoisonError, RwLock, RwLockReadGuard};
+use std::time::Duration;
+
+use lowwater_dataplane::{Config, DataPlane as Plane, RegisterError, StartError};
+use pyo3::exceptions::{PyKeyError, PyOSError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyTuple};
+
+use crate::errors::{guarded, DataPlaneClosed, DataPlaneConfigError, DuplicateRollout, DuplicateSecret};
+
+/// How long `close()` waits for the runtime's threads to finish their
+/// current task: tasks are cancelled at their next await, so this is reached
+/// only by a bug; past it the threads are left to exit on their own.
+const JOIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn secs(name: &str, value: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(value)
+        .map_err(|_| PyValueError::new_err(format!("{name} must be a finite number of seconds >= 0, got {value}")))
+}
+
+fn start_error(err: StartError) -> PyErr {
+    match err {
+        StartError::Config(e) => DataPlaneConfigError::new_err(e.to_string()),
+        // OSError with the errno, so EADDRINUSE is an OSError subclass check away.
+        StartError::Io(e) => PyErr::from(e),
+    }
+}
+
+fn register_error(err: RegisterError) -> PyErr {
+    let msg = err.to_string();
+    match err {
+        RegisterError::DuplicateRollout(_) => DuplicateRollout::new_err(msg),
+        RegisterError::DuplicateSecret => DuplicateSecret::new_err(msg),
+        RegisterError::Empty => PyValueError::new_err(msg),
+    }
+}
+
+/// One recorded model call, as drained from the data plane.
+#[pyclass(frozen, get_all, module = "lowwater")]
+pub struct TurnRecord {
+    seq: u64,
+    rollout_id: String,
+    protocol: String,
+    protocol_id: u16,
+    model: String,
+    streamed: bool,
+    kept: usize,
+    previous: usize,
+    messages: Py<PyTuple>,
+    status: u16,
+    response: Py<PyBytes>,
+    error: Option<String>,
+    started_s: f64,
+    upstream_s: f64,
+    duration_s: f64,
+}
+
+#[pymethods]
+impl TurnRecord {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "TurnRecord(seq={}, rollout_id={:?}, protocol={:?}, status={}, streamed={}, kept={}, previous={}, \
+             messages={})",
+            self.seq,
+            self.rollout_id,
+            self.protocol,
+            self.status,
+            self.streamed,
+            self.kept,
+            self.previous,
+            self.messages.bind(py).len()
+        )
+    }
+}
+
+/// The interception data plane: an HTTP server on its own tokio runtime.
+#[pyclass(frozen, module = "lowwater")]
+pub struct DataPlane {
+    /// `None` once closed.  Methods hold the read lock only for the crate
+    /// call (never while taking the GIL); `close` takes the write lock with
+    /// the GIL released, so a drain in another thread cannot deadlock it.
+    plane: RwLock<Option<Plane>>,
+    address: String,
+}
+
+impl DataPlane {
+    fn open(&self) -> PyResult<RwLockReadGuard<'_, Option<Plane>>> {
+        let guard = self.plane.read().unwrap_or_else(PoisonError::into_inner);
+        if guard.is_none() {
+            return Err(DataPlaneClosed::new_err("the data plane is closed"));
+        }
+        Ok(guard)
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&Plane) -> PyResult<T>) -> PyResult<T> {
+        guarded(|| {
+            let guard = self.open()?;
+            match guard.as_ref() {
+                Some(plane) => f(plane),
+                None => Err(DataPlaneClosed::new_err("the data plane is closed")),
+            }
+        })
+    }
+}
+
+#[pymethods]
+impl DataPlane {
+    #[new]
+    #[pyo3(signature = (
+        upstream,
+        *,
+        api_key = None,
+        host = "127.0.0.1",
+        port = 0,
+        max_body_bytes = 64 << 20,
+        max_response_bytes = 256 << 20,
+        upstream_timeout_s = 600.0,
+        retries = 3,
+        backoff_s = 0.5,
+        max_backoff_s = 8.0,
+        max_concurrency = 1024,
+        pool_idle_timeout_s = 5.0,
+        hold_for_ack = true,
+        worker_threads = 2,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        upstream: String,
+        api_key: Option<String>,
+        host: &str,
+        port: u16,
+        max_body_bytes: usize,
+        max_response_bytes: usize,
+        upstream_timeout_s: f64,
+        retries: u32,
+        backoff_s: f64,
+        max_backoff_s: f64,
+        max_concurrency: usize,
+        pool_idle_timeout_s: f64,
+        hold_for_ack: bool,
+        worker_threads: usize,
+    ) -> PyResult<Self> {
+        guarded(|| {
+            let mut config = Config::new(upstream);
+            config.upstream_key = api_key;
+            config.max_body_bytes = max_body_bytes;
+            config.max_response_bytes = max_response_bytes;
+            config.upstream_timeout = secs("upstream_timeout_s", upstream_timeout_s)?;
+            config.retries = retries;
+            config.backoff = secs("backoff_s", backoff_s)?;
+            config.max_backoff = secs("max_backoff_s", max_backoff_s)?;
+            config.max_concurrency = max_concurrency;
+            config.pool_idle_timeout = secs("pool_idle_timeout_s", pool_idle_timeout_s)?;
+            config.hold_for_ack = hold_for_ack;
+            config.worker_threads = worker_threads;
+            let host = host.to_owned();
+            // Name resolution and the runtime's start can block: GIL released.
+            let plane = py.detach(move || -> PyResult<Plane> {
+                let listen: SocketAddr = (host.as_str(), port)
+                    .to_socket_addrs()
+                    .map_err(PyErr::from)?
+                    .next()
+                    .ok_or_else(|| PyOSError::new_err(format!("{host:?} resolves to no address")))?;
+                Plane::start(config, listen).map_err(start_error)
+            })?;
+            let address = plane.local_addr().to_string();
+            Ok(DataPlane { plane: RwLock::new(Some(plane)), address })
+        })
+    }
+
+    /// `"host:port"` the server listens on (the port chosen when 0 was asked).
+    #[getter]
+    fn address(&self) -> &str {
+        &self.address
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.plane.read().unwrap_or_else(PoisonError::into_inner).is_none()
+    }
+
+    fn register(&self, rollout_id: &str, secret: &str) -> PyResult<()> {
+        self.with(|p| p.register(rollout_id, secret).map_err(register_error))
+    }
+
+    fn unregister(&self, rollout_id: &str) -> PyResult<usize> {
+        self.with(|p| {
+            p.unregister(rollout_id).ok_or_else(|| PyKeyError::new_err(format!("rollout {rollout_id:?} is not open")))
+        })
+    }
+
+    fn wakeup_fd(&self) -> PyResult<i32> {
+        self.with(|p| Ok(p.queue().wakeup_fd()))
+    }
+
+    fn drain(&self, py: Python<'_>) -> PyResult<Vec<TurnRecord>> {
+        // Taken under the read lock, converted after it is dropped.
+        let (records, names) = self.with(|p| {
+            let names: Vec<String> = (0..p.protocols().len())
+                .map(|i| p.protocols().get(i as u16).map(|s| s.name.clone()).unwrap_or_default())
+                .collect();
+            Ok((p.queue().drain(), names))
+        })?;
+        guarded(|| {
+            records
+                .into_iter()
+                .map(|r| {
+                    let messages = PyTuple::new(py, r.request.messages.iter().map(|m| PyBytes::new(py, m)))?;
+                    Ok(TurnRecord {
+                        seq: r.seq,
+                        rollout_id: r.rollout_id.to_string(),
+                        protocol: names.get(r.protocol as usize).cloned().unwrap_or_default(),
+                        protocol_id: r.protocol,
+                        model: r.model,
+                        streamed: r.streamed,
+                        kept: r.request.kept,
+                        previous: r.request.previous,
+                        messages: messages.unbind(),
+                        status: r.status,
+                        response: PyBytes::new(py, &r.response).unbind(),
+                        error: r.error,
+                        started_s: r.timings.started_s,
+                        upstream_s: r.timings.upstream_s,
+                        duration_s: r.timings.duration_s,
+                    })
+                })
+                .collect()
+        })
+    }
+
+    fn ack(&self, seq: u64) -> PyResult<bool> {
+        self.with(|p| Ok(p.queue().ack(seq)))
+    }
+
+    fn release_all(&self) -> PyResult<usize> {
+        self.with(|p| Ok(p.queue().release_all()))
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.with(|p| Ok(p.stats()))?;
+        let d = PyDict::new(py);
+        d.set_item("open_rollouts", s.open_rollouts)?;
+        d.set_item("secrets", s.secrets)?;
+        d.set_item("in_flight", s.in_flight)?;
+        d.set_item("active_calls", s.active_calls)?;
+        d.set_item("connections", s.connections)?;
+        d.set_item("queued", s.queued)?;
+        d.set_item("awaiting_ack", s.awaiting_ack)?;
+        d.set_item("calls", s.calls)?;
+        d.set_item("ok", s.ok)?;
+        d.set_item("failed", s.failed)?;
+        d.set_item("closed", s.closed)?;
+        d.set_item("disconnected", s.disconnected)?;
+        d.set_item("refused", s.refused)?;
+        Ok(d)
+    }
+
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        guarded(|| {
+            py.detach(|| {
+                let plane = self.plane.write().unwrap_or_else(PoisonError::into_inner).take();
+                if let Some(plane) = plane {
+                    plane.shutdown_and_join(JOIN_TIMEOUT);
+                }
+            });
+            Ok(())
+        })
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _exc_type: &Bound<'_, PyAny>,
+        _exc: &Bound<'_, PyAny>,
+        _tb: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("DataPlane(address={:?}, closed={})", self.address, self.closed())
+    }
+}
