@@ -1,0 +1,104 @@
+"""The Trio control-plane loop of the Rust data plane (:class:`lowwater._native.DataPlane`).
+
+The data plane serves the agent's calls on its own threads and queues a
+:class:`~lowwater._native.TurnRecord` per recorded call; its last bytes (a
+stream's terminal event, a whole answer) wait until the record is acked, so
+an agent never sees the end of an answer whose turn is not recorded.  This
+module is the other half: :func:`serve_records` waits on the plane's wakeup
+fd without blocking the Trio loop, hands each record to a callback and acks
+it; :func:`turn_of` turns a record into a :class:`~lowwater.trajectory.Turn`.
+
+This is the binding step of docs/dataplane.md: ``InterceptionServer``
+(hypercorn) still serves every call of ``lowwater proxy`` and the runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+import trio
+
+from lowwater._native import DataPlane, DataPlaneClosed, TurnRecord
+from lowwater.redact import redact_url
+from lowwater.trajectory import Trajectory, Turn
+
+__all__ = ["serve_records", "turn_of"]
+
+
+async def serve_records(plane: DataPlane, on_record: Callable[[TurnRecord], object]) -> None:
+    """Drain ``plane``'s records into ``on_record`` and ack each, until cancelled.
+
+    Waits with :func:`trio.lowlevel.wait_readable` on the plane's wakeup fd;
+    ``drain`` and ``ack`` take a lock for a moment and never wait, so the
+    Trio loop is never blocked.  Every drained record is acked, whatever
+    ``on_record`` does with it (including a record of a rollout its owner has
+    already closed, and one ``on_record`` raised on): an unacked record would
+    hold its call's answer forever.
+
+    Cancel this loop before :meth:`DataPlane.close`: close closes the fd, and
+    a wait on a closed fd is never woken.  Returns when the plane is found
+    closed.
+
+    Args:
+        plane: a started data plane.
+        on_record: called once per record, oldest first, in the Trio thread
+            (e.g. ``trajectory.add_turn(turn_of(record, trajectory))``).
+
+    Raises:
+        Exception: whatever ``on_record`` raised (the rest of its batch is
+            acked first).
+    """
+    try:
+        fd = plane.wakeup_fd()
+    except DataPlaneClosed:
+        return
+    while True:
+        await trio.lowlevel.wait_readable(fd)
+        try:
+            records = plane.drain()
+        except DataPlaneClosed:
+            return
+        for i, record in enumerate(records):
+            try:
+                on_record(record)
+            except BaseException:
+                for held in records[i:]:
+                    plane.ack(held.seq)
+                raise
+            plane.ack(record.seq)
+
+
+def turn_of(record: TurnRecord, trajectory: Trajectory) -> Turn:
+    """The turn ``record`` adds to ``trajectory`` (not appended: the caller does).
+
+    Only the request delta is parsed (``orjson``, one message at a time);
+    the answer's fields (completion, finish reason, usage, token ids,
+    logprobs) and the tools offered are not filled in yet (the answer bytes
+    are ``record.response``): the protocol's ``completion`` runs on them when
+    the plane replaces the Python server (docs/dataplane.md).
+
+    ``request_delta_start`` is ``record.kept``: the request is
+    ``request(k-1)[:kept] + request_delta`` for an append (``kept ==
+    previous``) and a rewrite alike; the Python server records a rewrite
+    from 0 with the whole request instead, which the plane does not hand over.
+
+    Raises:
+        orjson.JSONDecodeError: a message is not JSON (the plane validated
+            the request, so only a bug gives one).
+    """
+    delta: list[Any] = [orjson.loads(m) for m in record.messages]
+    return Turn(
+        index=len(trajectory.turns),
+        protocol=record.protocol,
+        model=record.model,
+        request_delta=delta,
+        request_delta_start=record.kept,
+        completion=None,
+        started_s=record.started_s,
+        duration_s=record.duration_s,
+        streamed=record.streamed,
+        # Written to files with the turn: an error text may quote a URL with credentials.
+        error=None if record.error is None else redact_url(record.error),
+    )
