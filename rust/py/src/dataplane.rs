@@ -86,8 +86,8 @@ impl TurnRecord {
 #[pyclass(frozen, module = "lowwater")]
 pub struct DataPlane {
     /// `None` once closed.  Methods hold the read lock only for the crate
-    /// call (never while taking the GIL); `close` takes the write lock with
-    /// the GIL released, so a drain in another thread cannot deadlock it.
+    /// call (never while making Python objects); `close` takes the write lock
+    /// with the GIL released, only to take the plane out.
     plane: RwLock<Option<Plane>>,
     address: String,
 }
@@ -268,6 +268,9 @@ impl DataPlane {
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         guarded(|| {
             py.detach(|| {
+                // Taken out first, joined after the lock is dropped: a method
+                // called meanwhile raises DataPlaneClosed at once instead of
+                // waiting (with the GIL) for the join.
                 let plane = self.plane.write().unwrap_or_else(PoisonError::into_inner).take();
                 if let Some(plane) = plane {
                     plane.shutdown_and_join(JOIN_TIMEOUT);
