@@ -259,7 +259,7 @@ class RayTaskPool:
             name=None,
         )
         node.actor = actor_class.remote(self.spec, config, self.pin_by)
-        info = await trio.to_thread.run_sync(ray.get, node.actor.ready.remote())
+        info: dict[str, Any] = await trio.to_thread.run_sync(_get, node.actor.ready.remote())
         node.pid = info["pid"]
         self._report.node_pools += 1
         self._emit("node_pool_ready", node=node.label, node_id=node.node_id)
@@ -558,6 +558,14 @@ class _Completions:
                 node = inflight[ref]
                 if ref in node.inflight:
                     await self.pool._complete(node, ref, outcome)
+
+
+def _get(ref: Any) -> Any:
+    """``ray.get`` of one reference (its overloads type a call through
+    ``trio.to_thread.run_sync`` as the list variant's)."""
+    import ray
+
+    return ray.get(ref)
 
 
 def _wait_and_get(refs: list[Any]) -> list[tuple[Any, Any]]:
