@@ -188,6 +188,11 @@ def test_chat_calls_become_turns_with_message_deltas() -> None:
         assert [t.streamed for t in trajectory.turns] == [False, True, False]
         assert {t.protocol for t in trajectory.turns} == {"openai.chat"}
         assert all(t.model == "m" and t.error is None and t.duration_s >= 0 for t in trajectory.turns)
+        # The answer's fields, read from the record's bytes by the protocol, as the Python server reads them.
+        assert trajectory.turns[0].completion == reply
+        assert trajectory.turns[1].completion == {"role": "assistant", "content": "echo: and 3 plus 3"}
+        assert all(t.finish_reason is not None for t in trajectory.turns)
+        assert trajectory.turns[0].usage == answer.json().get("usage")
         assert [(rec.kept, rec.previous, rec.status) for rec in r.records] == [(0, 0, 200), (1, 1, 200), (0, 3, 200)]
         assert r.records[1].response.rstrip().endswith(b"data: [DONE]")
         assert orjson.loads(r.records[0].response)["choices"][0]["message"] == reply

@@ -14,13 +14,16 @@ This is the binding step of docs/dataplane.md: ``InterceptionServer``
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
 import trio
 
 from lowwater._native import DataPlane, DataPlaneClosed, TurnRecord
+from lowwater.interception.protocols import Completion, Protocol, builtin_protocols
+from lowwater.interception.sse import SSEParser
 from lowwater.redact import redact_url
 from lowwater.trajectory import Trajectory, Turn
 
@@ -70,35 +73,81 @@ async def serve_records(plane: DataPlane, on_record: Callable[[TurnRecord], obje
             plane.ack(record.seq)
 
 
-def turn_of(record: TurnRecord, trajectory: Trajectory) -> Turn:
+def turn_of(record: TurnRecord, trajectory: Trajectory, protocols: Mapping[str, Protocol] | None = None) -> Turn:
     """The turn ``record`` adds to ``trajectory`` (not appended: the caller does).
 
-    Only the request delta is parsed (``orjson``, one message at a time);
-    the answer's fields (completion, finish reason, usage, token ids,
-    logprobs) and the tools offered are not filled in yet (the answer bytes
-    are ``record.response``): the protocol's ``completion`` runs on them when
-    the plane replaces the Python server (docs/dataplane.md).
+    The request delta is parsed one message at a time (``orjson``), never
+    the whole history.  The answer's fields (completion, finish reason,
+    usage, token ids, logprobs) come from ``record.response`` through the
+    record's protocol, as the Python server derives them: a whole answer
+    with :meth:`Protocol.completion`, a stream event by event with
+    :meth:`Protocol.accumulator` (:class:`~lowwater.interception.sse.SSEParser`
+    splits the relayed bytes).  An answer that is not a 2xx, that the
+    protocol cannot read, or a stream without its terminal event leaves
+    those fields empty and sets ``error``, with the Python server's wording.
+    The tools offered are not in a record yet.
 
     ``request_delta_start`` is ``record.kept``: the request is
     ``request(k-1)[:kept] + request_delta`` for an append (``kept ==
     previous``) and a rewrite alike; the Python server records a rewrite
     from 0 with the whole request instead, which the plane does not hand over.
 
+    Args:
+        record: a drained record.
+        trajectory: the rollout's trajectory (for the turn's index).
+        protocols: protocols by name (default: the three built in).
+
     Raises:
         orjson.JSONDecodeError: a message is not JSON (the plane validated
             the request, so only a bug gives one).
     """
     delta: list[Any] = [orjson.loads(m) for m in record.messages]
+    table = _builtin_by_name() if protocols is None else protocols
+    protocol = table.get(record.protocol)
+    done, error = _answer(record, protocol) if protocol is not None else (Completion(), record.error)
     return Turn(
         index=len(trajectory.turns),
         protocol=record.protocol,
         model=record.model,
         request_delta=delta,
         request_delta_start=record.kept,
-        completion=None,
+        completion=done.completion,
+        finish_reason=done.finish_reason,
+        usage=done.usage,
+        token_ids=done.token_ids,
+        logprobs=done.logprobs,
         started_s=record.started_s,
         duration_s=record.duration_s,
         streamed=record.streamed,
         # Written to files with the turn: an error text may quote a URL with credentials.
-        error=None if record.error is None else redact_url(record.error),
+        error=None if error is None else redact_url(error),
     )
+
+
+def _answer(record: TurnRecord, protocol: Protocol) -> tuple[Completion, str | None]:
+    """The answer's fields and the turn's error (the Python server's wording)."""
+    if record.error is not None:
+        return Completion(), record.error
+    if not 200 <= record.status < 300:
+        return Completion(), f"upstream answered {record.status}"
+    try:
+        if not record.streamed:
+            done = protocol.completion(orjson.loads(record.response))
+            return done, done.error
+        accumulator = protocol.accumulator()
+        parser = SSEParser()
+        terminal = False
+        for event in [*parser.feed(record.response), *parser.finish()]:
+            if not terminal and accumulator.feed(event.event, event.data):
+                terminal = True
+        done = accumulator.result()
+    except Exception as exc:
+        return Completion(), f"upstream answer malformed: {type(exc).__name__}: {exc}"
+    if not terminal:
+        return done, "upstream stream ended before its terminal event"
+    return done, done.error
+
+
+@functools.cache
+def _builtin_by_name() -> dict[str, Protocol]:
+    return {p.name: p for p in builtin_protocols()}
