@@ -275,6 +275,11 @@ class TurnRecord:
             ``previous_request[:kept] + messages``.
         messages: the request's messages from ``kept`` on, each its JSON text
             as sent (bytes; for a plain-string responses ``input``, that JSON string).
+        tools: the tools the agent offered: a JSON object (bytes) of the
+            request's tool fields as sent, ``{"tools": [...]}`` (OpenAI chat
+            also the deprecated ``functions``), for the protocol's
+            ``tools()`` to read; ``None`` when the request had none (``null``
+            counts as absent).
         status: the HTTP status the agent was answered with (the upstream's, or 502/504).
         response: the upstream's answer bytes: the whole body, or for a stream
             every event relayed (line endings ``\\n``), terminal event included.
@@ -303,6 +308,8 @@ class TurnRecord:
     def previous(self) -> int: ...
     @property
     def messages(self) -> tuple[bytes, ...]: ...
+    @property
+    def tools(self) -> bytes | None: ...
     @property
     def status(self) -> int: ...
     @property

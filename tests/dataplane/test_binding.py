@@ -203,6 +203,25 @@ def test_chat_calls_become_turns_with_message_deltas() -> None:
     run(fn)
 
 
+def test_repeated_tools_are_one_object_per_trajectory() -> None:
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+    async def fn(r: Rig) -> None:
+        trajectory = r.open("r0", "s0")
+        first = [{"role": "user", "content": "add 2 and 2"}]
+        assert (await r.chat("s0", first, tools=tools)).status_code == 200
+        assert (await r.chat("s0", [*first, {"role": "user", "content": "again"}], tools=tools)).status_code == 200
+        assert (await r.chat("s0", first)).status_code == 200
+        await r.settled()
+        one, two, none = trajectory.turns
+        assert one.tools == tools
+        assert two.tools is one.tools, "an equal list is the earlier turn's object, as the Python server records it"
+        assert none.tools is None
+        assert [rec.tools is None for rec in r.records] == [False, False, True]
+
+    run(fn)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_official_openai_sdk(stream: bool) -> None:
     def agent(base_url: str) -> str:

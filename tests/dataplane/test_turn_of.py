@@ -13,7 +13,15 @@ from lowwater.interception.dataplane import turn_of
 from lowwater.trajectory import Trajectory
 
 
-def record(protocol: str, response: bytes, *, streamed: bool = False, status: int = 200, error: Any = None) -> Any:
+def record(
+    protocol: str,
+    response: bytes,
+    *,
+    streamed: bool = False,
+    status: int = 200,
+    error: Any = None,
+    tools: bytes | None = None,
+) -> Any:
     return SimpleNamespace(
         protocol=protocol,
         model="m",
@@ -24,6 +32,7 @@ def record(protocol: str, response: bytes, *, streamed: bool = False, status: in
         status=status,
         response=response,
         error=error,
+        tools=tools,
         started_s=0.0,
         duration_s=0.01,
     )
@@ -92,3 +101,16 @@ def test_credentials_in_an_error_are_redacted() -> None:
         record("openai.chat", b"", status=502, error="upstream: http://u:p@host/v1 refused"), Trajectory("r")
     )
     assert turn.error == "upstream: http://***@host/v1 refused"
+
+
+def test_tools_are_read_by_the_protocol_and_interned() -> None:
+    trajectory = Trajectory("r")
+    legacy = turn_of(record("openai.chat", b"{}", tools=b'{"functions":[{"name":"f"}]}'), trajectory)
+    assert legacy.tools == [{"type": "function", "function": {"name": "f"}}], "chat's deprecated functions"
+    tools = b'{"tools":[{"name":"t","input_schema":{}}]}'
+    one = turn_of(record("anthropic.messages", b"{}", tools=tools), trajectory)
+    two = turn_of(record("anthropic.messages", b"{}", tools=tools), trajectory)
+    assert one.tools == [{"name": "t", "input_schema": {}}] and two.tools is one.tools
+    # What is not a non-empty list is no tools, as the Python server reads it.
+    for odd in (b'{"tools":[]}', b'{"tools":"x"}', b"[1]"):
+        assert turn_of(record("openai.chat", b"{}", tools=odd), trajectory).tools is None

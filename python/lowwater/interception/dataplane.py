@@ -85,7 +85,10 @@ def turn_of(record: TurnRecord, trajectory: Trajectory, protocols: Mapping[str, 
     splits the relayed bytes).  An answer that is not a 2xx, that the
     protocol cannot read, or a stream without its terminal event leaves
     those fields empty and sets ``error``, with the Python server's wording.
-    The tools offered are not in a record yet.
+    The tools offered (``record.tools``, the request's tool fields) are read
+    with :meth:`Protocol.tools` and interned with
+    :meth:`Trajectory.intern_tools`, as the Python server records them: a
+    list equal to one an earlier turn recorded is that turn's object.
 
     ``request_delta_start`` is ``record.kept``: the request is
     ``request(k-1)[:kept] + request_delta`` for an append (``kept ==
@@ -98,13 +101,18 @@ def turn_of(record: TurnRecord, trajectory: Trajectory, protocols: Mapping[str, 
         protocols: protocols by name (default: the three built in).
 
     Raises:
-        orjson.JSONDecodeError: a message is not JSON (the plane validated
-            the request, so only a bug gives one).
+        orjson.JSONDecodeError: a message or the tools are not JSON (the
+            plane validated the request, so only a bug gives one).
     """
     delta: list[Any] = [orjson.loads(m) for m in record.messages]
     table = _builtin_by_name() if protocols is None else protocols
     protocol = table.get(record.protocol)
     done, error = _answer(record, protocol) if protocol is not None else (Completion(), record.error)
+    tools = None
+    if protocol is not None and record.tools is not None:
+        fields = orjson.loads(record.tools)
+        # The plane copies the fields unvalidated: tools() returns None for what is not a list.
+        tools = protocol.tools(fields) if isinstance(fields, dict) else None
     return Turn(
         index=len(trajectory.turns),
         protocol=record.protocol,
@@ -114,6 +122,7 @@ def turn_of(record: TurnRecord, trajectory: Trajectory, protocols: Mapping[str, 
         completion=done.completion,
         finish_reason=done.finish_reason,
         usage=done.usage,
+        tools=trajectory.intern_tools(tools),
         token_ids=done.token_ids,
         logprobs=done.logprobs,
         started_s=record.started_s,

@@ -97,6 +97,10 @@ pub struct ProtocolSpec {
     /// Top-level fields checked besides `stream` (a boolean when present)
     /// and the messages.
     pub fields: Vec<FieldRule>,
+    /// Top-level fields holding the tools the agent offered (`tools`; OpenAI
+    /// chat also the deprecated `functions`), copied into the record as sent
+    /// for the Python protocol's `tools()` to read.
+    pub tools: Vec<String>,
 }
 
 fn field(name: &str, kind: FieldKind, required: bool) -> FieldRule {
@@ -117,6 +121,7 @@ impl ProtocolSpec {
                 roles: ["system", "developer", "user", "assistant", "tool", "function"].map(String::from).to_vec(),
             },
             fields: vec![field("model", FieldKind::String, true)],
+            tools: vec!["tools".into(), "functions".into()],
         }
     }
 
@@ -132,6 +137,7 @@ impl ProtocolSpec {
             ),
             messages: MessagesRule { key: "input".into(), allow_string: true, roles: Vec::new() },
             fields: vec![field("model", FieldKind::String, true)],
+            tools: vec!["tools".into()],
         }
     }
 
@@ -152,6 +158,7 @@ impl ProtocolSpec {
                 field("max_tokens", FieldKind::PositiveInteger, true),
                 field("system", FieldKind::StringOrArray, false),
             ],
+            tools: vec!["tools".into()],
         }
     }
 }
@@ -224,6 +231,12 @@ pub struct ParsedRequest {
     pub stream: bool,
     /// Byte range of each message (its JSON text) within the body, in order.
     pub messages: Vec<Range<usize>>,
+    /// The tool fields the request has (of [`ProtocolSpec::tools`], `null`
+    /// counting as absent) as one JSON object of their values as sent
+    /// (`{"tools":[...]}`); `None` when it has none.  Not validated: the
+    /// upstream judges them, and Python's `Protocol.tools` ignores what is
+    /// not a list.
+    pub tools: Option<String>,
 }
 
 /// A request refused with 400; the text names the problem.
@@ -336,6 +349,7 @@ impl ProtocolSpec {
             Some(v) => serde_json::from_str::<String>(v.get()).unwrap_or_default(),
             None => String::new(),
         };
+        let tools = self.tool_fields(&top);
         let key = &self.messages.key;
         let offset = |raw: &RawValue| {
             let start = raw.get().as_ptr() as usize - text.as_ptr() as usize;
@@ -344,7 +358,7 @@ impl ProtocolSpec {
         let Some(list) = present(&top, key) else { return bad(format!("missing field '{key}'")) };
         let raw = list.get();
         if raw.starts_with('"') && self.messages.allow_string {
-            return Ok(ParsedRequest { model, stream, messages: vec![offset(list)] });
+            return Ok(ParsedRequest { model, stream, messages: vec![offset(list)], tools });
         }
         let shape = if self.messages.allow_string { "a string or a non-empty list" } else { "a non-empty list" };
         if !raw.starts_with('[') {
@@ -368,7 +382,21 @@ impl ProtocolSpec {
             }
             messages.push(offset(item));
         }
-        Ok(ParsedRequest { model, stream, messages })
+        Ok(ParsedRequest { model, stream, messages, tools })
+    }
+
+    /// The request's tool fields as one JSON object (see [`ParsedRequest::tools`]).
+    fn tool_fields(&self, top: &HashMap<Cow<'_, str>, &RawValue>) -> Option<String> {
+        let mut out = String::new();
+        for key in &self.tools {
+            if let Some(v) = present(top, key) {
+                out.push(if out.is_empty() { '{' } else { ',' });
+                out.push_str(&serde_json::Value::from(key.as_str()).to_string());
+                out.push(':');
+                out.push_str(v.get());
+            }
+        }
+        (!out.is_empty()).then(|| out + "}")
     }
 
     /// The JSON error body for `status` in this protocol's shape.
@@ -503,6 +531,19 @@ mod tests {
         assert_eq!(&body[p.messages[0].clone()], "\"hello\"");
         assert_eq!(parse(&r, r#"{"model":"m","input":[{"type":"x"}]}"#).unwrap().messages.len(), 1);
         assert!(parse(&r, r#"{"model":"m","input":3}"#).unwrap_err().contains("a string or a non-empty list"));
+    }
+
+    #[test]
+    fn tool_fields_are_kept_as_sent() {
+        let chat = ProtocolSpec::openai_chat();
+        let m = r#""messages":[{"role":"user"}]"#;
+        let p = parse(&chat, &format!(r#"{{"model":"m",{m},"tools":[{{"type":"function"}}], "functions" : [1]}}"#));
+        assert_eq!(p.unwrap().tools.as_deref(), Some(r#"{"tools":[{"type":"function"}],"functions":[1]}"#));
+        assert_eq!(parse(&chat, &format!(r#"{{"model":"m",{m},"tools":null}}"#)).unwrap().tools, None);
+        assert_eq!(parse(&chat, &format!(r#"{{"model":"m",{m}}}"#)).unwrap().tools, None);
+        let a = ProtocolSpec::anthropic_messages();
+        let body = format!(r#"{{"model":"m","max_tokens":5,{m},"functions":[1],"tools":[{{"name":"t"}}]}}"#);
+        assert_eq!(parse(&a, &body).unwrap().tools.as_deref(), Some(r#"{"tools":[{"name":"t"}]}"#));
     }
 
     #[test]

@@ -63,6 +63,10 @@ pub struct TurnRecord {
     pub streamed: bool,
     /// The new messages.
     pub request: RequestDelta,
+    /// The tools the agent offered: a JSON object of the request's tool
+    /// fields as sent (`{"tools":[...]}`; OpenAI chat also `functions`), or
+    /// `None` when it had none (see [`crate::protocol::ParsedRequest::tools`]).
+    pub tools: Option<Bytes>,
     /// The status the agent was answered with: the upstream's, or 502/504.
     pub status: u16,
     /// The upstream's answer: the whole body, or for a stream every event
@@ -250,6 +254,7 @@ mod tests {
             model: String::new(),
             streamed: false,
             request: RequestDelta { kept: 0, previous: 0, messages: Vec::new() },
+            tools: None,
             status: 200,
             response: Bytes::new(),
             error: None,

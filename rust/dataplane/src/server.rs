@@ -248,6 +248,7 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
         model: parsed.model,
         streamed: parsed.stream,
         delta: Some(delta),
+        tools: parsed.tools.map(Bytes::from),
         start,
         started_s,
         _active: active,
@@ -282,6 +283,7 @@ struct Call {
     model: String,
     streamed: bool,
     delta: Option<RequestDelta>,
+    tools: Option<Bytes>,
     start: Instant,
     started_s: f64,
     /// Counts the call as active until its last byte is handed over.
@@ -398,6 +400,7 @@ impl Call {
             model: std::mem::take(&mut self.model),
             streamed: self.streamed,
             request: self.delta.take().unwrap_or(RequestDelta { kept: 0, previous: 0, messages: Vec::new() }),
+            tools: self.tools.take(),
             status,
             response,
             error,

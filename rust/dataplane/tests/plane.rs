@@ -293,6 +293,24 @@ fn forwards_records_and_hands_over_only_new_messages() {
     assert_eq!(h.plane.unregister("r1"), Some(0));
 }
 
+#[test]
+fn records_carry_the_tools_offered_as_sent() {
+    let h = harness(|_| {});
+    let acker = Acker::start(&h.plane);
+    h.plane.register("r1", "s1").unwrap();
+    let tools = r#"[{"type":"function","function":{"name":"add","parameters":{}}}]"#;
+    let with = format!(r#"{{"model":"echo","messages":[{{"role":"user","content":"hi"}}],"tools":{tools}}}"#);
+    for body in [with, chat_body("echo", false, &["hi", "again"])] {
+        let (status, _, _) = h.call(request(h.addr(), "/v1/chat/completions", &[("x-api-key", "s1")], body));
+        assert_eq!(status, 200);
+    }
+    h.wait_stats("two records acked", |s| s.ok == 2 && s.awaiting_ack == 0);
+    let recs = acker.take();
+    let expected = format!(r#"{{"tools":{tools}}}"#);
+    assert_eq!(recs[0].tools.as_deref(), Some(expected.as_bytes()), "the tools field's bytes as sent");
+    assert_eq!(recs[1].tools, None, "a call offering no tools");
+}
+
 fn body_of(model: &str) -> Bytes {
     Bytes::from(format!("{{\"path\":\"/v1/chat/completions\",\"model\":{model:?}}}"))
 }
