@@ -342,6 +342,8 @@ class DataPlane:
         host: address to bind (``"127.0.0.1"``); ``port``: 0 for any free port.
         max_body_bytes: largest request body accepted (bytes); larger is a 413.
         max_response_bytes: largest non-streamed upstream answer (bytes); larger is a 502.
+        body_read_timeout_s: the longest a request's whole body may take to
+            arrive (seconds, > 0); past it a 408 (``connection: close``), not recorded.
         upstream_timeout_s: connect timeout and the longest wait for any part
             of the upstream's answer (seconds); past it a 504.
         retries: retries of a connect error, 429 or 5xx.
@@ -368,6 +370,7 @@ class DataPlane:
         port: int = 0,
         max_body_bytes: int = 64 << 20,
         max_response_bytes: int = 256 << 20,
+        body_read_timeout_s: float = 60.0,
         upstream_timeout_s: float = 600.0,
         retries: int = 3,
         backoff_s: float = 0.5,

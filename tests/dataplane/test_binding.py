@@ -344,6 +344,26 @@ def test_a_failing_callback_still_acks_its_batch() -> None:
     trio.run(main)
 
 
+def test_a_stalled_body_is_408_and_not_recorded() -> None:
+    async def fn(r: Rig) -> None:
+        r.open("r0", "s0")
+        host, _, port = r.plane.address.rpartition(":")
+        sock = await trio.open_tcp_stream(host, int(port))
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-api-key: s0\r\ncontent-length: 100\r\n\r\n"
+        await sock.send_all(head + b'{"model":"m",')
+        answer = b""
+        while chunk := await sock.receive_some():  # the plane closes the connection after its answer
+            answer += chunk
+        head_out, _, body = answer.partition(b"\r\n\r\n")
+        assert head_out.startswith(b"HTTP/1.1 408"), answer
+        assert orjson.loads(body)["error"]["code"] == 408
+        stats = await r.settled()
+        assert (stats["refused"], stats["in_flight"], stats["queued"]) == (1, 0, 0)
+        assert r.records == [] and r.trajectories["r0"].turns == []
+
+    run(fn, body_read_timeout_s=0.2)
+
+
 def test_control_api_errors() -> None:
     with pytest.raises(DataPlaneConfigError):
         DataPlane("ftp://example.com/v1")
@@ -353,6 +373,8 @@ def test_control_api_errors() -> None:
         DataPlane("http://127.0.0.1:9/v1", worker_threads=0)
     with pytest.raises(ValueError):
         DataPlane("http://127.0.0.1:9/v1", backoff_s=-1.0)
+    with pytest.raises(DataPlaneConfigError):
+        DataPlane("http://127.0.0.1:9/v1", body_read_timeout_s=0.0)
     with DataPlane("http://127.0.0.1:9/v1") as plane:
         host, _, port = plane.address.rpartition(":")
         assert host == "127.0.0.1" and int(port) > 0

@@ -3,12 +3,14 @@
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tokio::sync::mpsc;
+use tokio::time::{timeout_at, Instant};
 
 /// Why a request body could not be read.
 #[derive(Debug, PartialEq, Eq)]
@@ -17,22 +19,35 @@ pub(crate) enum BodyError {
     TooLarge,
     /// Shorter than declared, or the client left mid-body: 400.
     Cut(String),
+    /// Not all there within the read timeout (a client that stalls or
+    /// trickles its body would otherwise hold the call and its buffer): 408.
+    TimedOut,
 }
 
 /// Read a request body of at most `limit` bytes into one buffer (of its
-/// `content-length` when declared, so a large body is not regrown).
-pub(crate) async fn read_limited(mut body: Incoming, declared: Option<u64>, limit: usize) -> Result<Bytes, BodyError> {
+/// `content-length` when declared, so a large body is not regrown), all of
+/// it within `timeout` (a deadline for the whole body, not per chunk: a
+/// byte a minute would pass a per-chunk one).
+pub(crate) async fn read_limited(
+    mut body: Incoming,
+    declared: Option<u64>,
+    limit: usize,
+    timeout: Duration,
+) -> Result<Bytes, BodyError> {
+    let deadline = Instant::now() + timeout;
     if declared.is_some_and(|d| d > limit as u64) {
-        drain(body, limit).await;
+        drain(body, limit, deadline).await;
         return Err(BodyError::TooLarge);
     }
     let mut buf = BytesMut::with_capacity(declared.map_or(0, |d| d as usize));
-    while let Some(frame) = body.frame().await {
+    loop {
+        let Ok(frame) = timeout_at(deadline, body.frame()).await else { return Err(BodyError::TimedOut) };
+        let Some(frame) = frame else { break };
         let frame = frame.map_err(|e| BodyError::Cut(format!("the request body was cut short: {e}")))?;
         if let Ok(data) = frame.into_data() {
             if buf.len() + data.len() > limit {
                 drop(buf);
-                drain(body, limit).await;
+                drain(body, limit, deadline).await;
                 return Err(BodyError::TooLarge);
             }
             buf.extend_from_slice(&data);
@@ -42,10 +57,11 @@ pub(crate) async fn read_limited(mut body: Incoming, declared: Option<u64>, limi
 }
 
 /// Discard the rest of a refused body so the client gets to read the answer,
-/// up to `4 * limit` bytes more (past that the connection is closed on it).
-pub(crate) async fn drain(mut body: Incoming, limit: usize) {
+/// up to `4 * limit` bytes more or until `deadline` (past either the
+/// connection is closed on it).
+pub(crate) async fn drain(mut body: Incoming, limit: usize, deadline: Instant) {
     let mut left = limit.saturating_mul(4);
-    while let Some(Ok(frame)) = body.frame().await {
+    while let Ok(Some(Ok(frame))) = timeout_at(deadline, body.frame()).await {
         let n = frame.data_ref().map_or(0, |d| d.len());
         if n > left {
             return;

@@ -16,6 +16,7 @@
 //! | 400 | malformed JSON, nesting deeper than [`protocol::MAX_JSON_DEPTH`], a missing or mistyped field, a forwarded header that is not ASCII, a body cut short |
 //! | 401 | missing or unknown secret, or keys of two rollouts (`connection: close`: the body is not read) |
 //! | 404 / 405 | no such route / not a POST (with `allow: POST`) |
+//! | 408 | the body not all received within [`Config::body_read_timeout`] (`connection: close`) |
 //! | 410 | the rollout was closed before or during the call (a stream under way gets an error event instead) |
 //! | 413 | body over [`Config::max_body_bytes`] (the rest is drained first) |
 //! | upstream's | the upstream's answer, passed on (429 with its `retry-after`) |

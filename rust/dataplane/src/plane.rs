@@ -30,6 +30,10 @@ pub struct Config {
     pub max_body_bytes: usize,
     /// Largest non-streamed upstream answer read, bytes (256 MiB); larger is a 502.
     pub max_response_bytes: usize,
+    /// The longest a request's body may take to arrive, from the handler's
+    /// start to its last byte (60 s, as the header read timeout); past it
+    /// the call is a 408 (`connection: close`), not recorded.
+    pub body_read_timeout: Duration,
     /// Connect timeout, and the longest wait for the upstream's head or for
     /// any chunk of its body (600 s); past it the call is a 504 (or a cut stream).
     pub upstream_timeout: Duration,
@@ -60,6 +64,7 @@ impl Config {
             protocols: ProtocolTable::builtin(),
             max_body_bytes: 64 << 20,
             max_response_bytes: 256 << 20,
+            body_read_timeout: Duration::from_secs(60),
             upstream_timeout: Duration::from_secs(600),
             retries: 3,
             backoff: Duration::from_millis(500),
@@ -168,6 +173,9 @@ impl DataPlane {
         if config.worker_threads == 0 {
             return Err(ConfigError::Limit("worker_threads").into());
         }
+        if config.body_read_timeout.is_zero() {
+            return Err(ConfigError::Limit("body_read_timeout").into());
+        }
         let upstream = Upstream::new(&config)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.worker_threads)
@@ -190,6 +198,7 @@ impl DataPlane {
             hasher: MessageHasher::new(),
             max_body_bytes: config.max_body_bytes,
             max_response_bytes: config.max_response_bytes,
+            body_read_timeout: config.body_read_timeout,
             hold_for_ack: config.hold_for_ack,
             counters: Counters::default(),
         });

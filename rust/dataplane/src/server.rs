@@ -2,7 +2,8 @@
 //!
 //! One call: route by path (404/405), authenticate the secret before the
 //! body is read (401, `connection: close`), read the body under the limit
-//! (413 after draining; 400 if cut), validate it (400 naming the problem),
+//! and the body read timeout (413 after draining; 400 if cut; 408 if late),
+//! validate it (400 naming the problem),
 //! begin the call in its rollout (410 if closed), take the message delta,
 //! forward to the upstream (502/504 if it fails), then either read the whole
 //! answer or relay its stream event by event, record the turn, wait for the
@@ -66,6 +67,7 @@ pub(crate) struct Shared {
     pub(crate) hasher: MessageHasher,
     pub(crate) max_body_bytes: usize,
     pub(crate) max_response_bytes: usize,
+    pub(crate) body_read_timeout: Duration,
     pub(crate) hold_for_ack: bool,
     pub(crate) counters: Counters,
 }
@@ -213,7 +215,7 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
         }
     };
     let declared = content_length(req.headers());
-    let body = match read_limited(req.into_body(), declared, sh.max_body_bytes).await {
+    let body = match read_limited(req.into_body(), declared, sh.max_body_bytes, sh.body_read_timeout).await {
         Ok(b) => b,
         Err(BodyError::TooLarge) => {
             bump(&sh.counters.refused);
@@ -223,6 +225,13 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
         Err(BodyError::Cut(why)) => {
             bump(&sh.counters.refused);
             return closing(error(spec.flavour, 400, &why));
+        }
+        Err(BodyError::TimedOut) => {
+            // Before `begin`: nothing is in the rollout's tables to undo.  If the
+            // client is gone the write fails and hyper closes the connection.
+            bump(&sh.counters.refused);
+            let why = format!("request body not received within {} s", sh.body_read_timeout.as_secs_f64());
+            return closing(error(spec.flavour, 408, &why));
         }
     };
     let parsed = match spec.parse(&body) {

@@ -124,6 +124,7 @@ impl DataPlane {
         port = 0,
         max_body_bytes = 64 << 20,
         max_response_bytes = 256 << 20,
+        body_read_timeout_s = 60.0,
         upstream_timeout_s = 600.0,
         retries = 3,
         backoff_s = 0.5,
@@ -142,6 +143,7 @@ impl DataPlane {
         port: u16,
         max_body_bytes: usize,
         max_response_bytes: usize,
+        body_read_timeout_s: f64,
         upstream_timeout_s: f64,
         retries: u32,
         backoff_s: f64,
@@ -156,6 +158,7 @@ impl DataPlane {
             config.upstream_key = api_key;
             config.max_body_bytes = max_body_bytes;
             config.max_response_bytes = max_response_bytes;
+            config.body_read_timeout = secs("body_read_timeout_s", body_read_timeout_s)?;
             config.upstream_timeout = secs("upstream_timeout_s", upstream_timeout_s)?;
             config.retries = retries;
             config.backoff = secs("backoff_s", backoff_s)?;
