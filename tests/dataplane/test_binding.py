@@ -421,3 +421,38 @@ def test_close_is_idempotent_and_joins_the_threads() -> None:
 
     trio.run(main)
     assert plane_threads_back_to(before) == before
+
+
+def test_an_upstream_error_and_a_client_that_leaves_leave_nothing() -> None:
+    # The error and cancellation paths of a call, then the rollout's end:
+    # every per-rollout structure of the plane is empty, as after success.
+    async def fn(r: Rig) -> None:
+        trajectory = r.open("r0", "s0")
+        r.upstream.statuses.extend([500] * 8)  # past the plane's retries: a 502
+        failed = await r.chat("s0", [{"role": "user", "content": "fail"}])
+        assert failed.status_code == 502, failed.text
+
+        r.upstream.statuses.clear()
+        r.upstream.hang = True
+        r.upstream.entered = trio.Event()
+        with trio.move_on_after(GUARD_S) as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(r.chat, "s0", [{"role": "user", "content": "leave"}])
+                await r.upstream.entered.wait()
+                assert r.plane.stats()["in_flight"] == 1
+                nursery.cancel_scope.cancel()  # the agent gives up mid-call
+        assert not scope.cancelled_caught
+        r.upstream.hang = False
+        r.close("r0")
+
+        stats = await r.settled()
+        assert {k: stats[k] for k in ("open_rollouts", "secrets", "in_flight", "queued", "awaiting_ack")} == {
+            "open_rollouts": 0,
+            "secrets": 0,
+            "in_flight": 0,
+            "queued": 0,
+            "awaiting_ack": 0,
+        }
+        assert trajectory.turns and trajectory.turns[0].error is not None
+
+    run(fn)

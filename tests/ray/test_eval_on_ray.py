@@ -103,7 +103,10 @@ def test_a_node_pool_sigkilled_mid_eval_leaves_one_row_per_task(ray_cluster, adm
     assert report.summary["errors"] == 0
 
 
-@pytest.mark.skipif(not (DATA / "test.jsonl").is_file(), reason=f"GSM8K data not present at {DATA}")
+@pytest.mark.skipif(
+    not (DATA / "test.jsonl").is_file(),
+    reason="GSM8K data not found beside the checkout (../shared/data/gsm8k; see the README's GSM8K section)",
+)
 def test_gsm8k_replay_rows_through_ray_agree_with_the_labels(ray_cluster, admin_key, tmp_path):
     from lowwater.upstream.spec import parse_model
 
