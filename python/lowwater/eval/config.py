@@ -10,9 +10,7 @@ import attrs
 
 from lowwater import _validate as v
 from lowwater.assembly import EngineConfig
-from lowwater.environment import HARNESSES
 from lowwater.eval.samples import samples_path
-from lowwater.upstream.spec import ModelSpec
 
 
 def _tuple(items: Any) -> tuple[Any, ...]:
@@ -20,8 +18,12 @@ def _tuple(items: Any) -> tuple[Any, ...]:
 
 
 @attrs.frozen
-class EvalConfig:
+class EvalConfig(EngineConfig):
     """Everything ``lowwater eval`` takes; the CLI flags map one to one.
+
+    The engine's settings are :class:`~lowwater.assembly.EngineConfig`'s
+    fields, inherited (one declaration, one validation); this class adds the
+    run's own.
 
     Attributes:
         env: environment name (``register_environments``).
@@ -79,19 +81,9 @@ class EvalConfig:
         ValueError: a setting out of range (the message names its flag).
     """
 
-    env: str = "arithmetic"
-    env_options: dict[str, Any] = attrs.field(factory=dict)
-    model: ModelSpec = ModelSpec("scripted", "scripted")
-    sampling: dict[str, Any] = attrs.field(factory=dict)
     rollouts: int | None = attrs.field(default=None, validator=v.optional(v.at_least(0, "rollouts")))
     start: int = attrs.field(default=0, validator=v.at_least(0, "limit start"))
     task_ids: tuple[Any, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(_tuple))
-    group_size: int = attrs.field(default=1, validator=v.at_least(1, "group-size"))
-    concurrency: int = attrs.field(default=32, validator=v.at_least(1))
-    max_turns: int = attrs.field(default=16, validator=v.at_least(1, "max-turns"))
-    timeout_s: float = attrs.field(default=600.0, validator=v.positive("timeout", "seconds"))
-    harness: str = attrs.field(default="inprocess", validator=v.one_of(HARNESSES, "harness"))
-    persistent: bool = True
     out: Path = Path("runs/results.jsonl")
     resume: bool = False
     max_attempts: int = attrs.field(default=3, validator=v.at_least(1, "max-attempts"))
@@ -107,12 +99,8 @@ class EvalConfig:
     )
     max_rss_mb: float | None = attrs.field(default=None, validator=v.optional(v.positive("max-rss-mb")))
     high_water_mb: float | None = attrs.field(default=None, validator=v.optional(v.positive("high-water-mb")))
-    pass_env: tuple[str, ...] = attrs.field(default=(), converter=v.str_tuple)
     samples: bool = True
     max_error_rate: float = attrs.field(default=0.0)
-    runtime: str | None = None
-    runtime_options: dict[str, Any] = attrs.field(factory=dict)
-    program: str | None = attrs.field(default=None, validator=v.program_needs_harness)
 
     @max_error_rate.validator
     def _check_rate(self, _attribute: Any, value: float) -> None:
@@ -125,20 +113,6 @@ class EvalConfig:
         return samples_path(self.out) if self.samples else None
 
     def engine(self) -> EngineConfig:
-        """The settings that define this run's engines (here or in each worker)."""
-        return EngineConfig(
-            env=self.env,
-            env_options=self.env_options,
-            model=self.model,
-            group_size=self.group_size,
-            concurrency=self.concurrency,
-            max_turns=self.max_turns,
-            timeout_s=self.timeout_s,
-            harness=self.harness,
-            persistent=self.persistent,
-            pass_env=self.pass_env,
-            sampling=self.sampling,
-            runtime=self.runtime,
-            runtime_options=self.runtime_options,
-            program=self.program,
-        )
+        """The settings that define this run's engines (here or in each worker):
+        the :class:`EngineConfig` fields this config inherits, already validated."""
+        return EngineConfig(**{f.name: getattr(self, f.name) for f in attrs.fields(EngineConfig)})
