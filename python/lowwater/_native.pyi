@@ -353,6 +353,11 @@ class DataPlane:
         pool_idle_timeout_s: idle upstream connections close after this (seconds).
         hold_for_ack: hold each call's last bytes until :meth:`ack`.
         worker_threads: tokio worker threads.
+        table: the :class:`InterceptTable` each call's request body is held in
+            from its validation to its end (default: a new unbounded one).  A
+            call over a bounded table's capacity is refused with 503 and
+            ``retry-after: 1``; :meth:`register` opens the rollout in it and
+            :meth:`unregister` closes it (sweeping what is still held).
 
     Raises:
         DataPlaneConfigError: an unusable configuration (see the exception).
@@ -379,7 +384,11 @@ class DataPlane:
         pool_idle_timeout_s: float = 5.0,
         hold_for_ack: bool = True,
         worker_threads: int = 2,
+        table: InterceptTable | None = None,
     ) -> Self: ...
+    @property
+    def table(self) -> InterceptTable:
+        """The intercept table holding the in-flight calls' request bodies."""
     @property
     def address(self) -> str:
         """``"host:port"`` the server listens on (the chosen port when 0 was asked)."""
@@ -439,7 +448,8 @@ class DataPlane:
         """A snapshot: ``open_rollouts``, ``secrets``, ``in_flight``,
         ``active_calls``, ``connections``, ``queued``, ``awaiting_ack`` (now),
         and the counters since start ``calls``, ``ok``, ``failed``,
-        ``closed``, ``disconnected``, ``refused``.
+        ``closed``, ``disconnected``, ``refused``; ``intercepts`` and
+        ``intercept_bytes``: request bodies held in :attr:`table` now.
 
         Raises:
             DataPlaneClosed: after :meth:`close`.

@@ -31,6 +31,7 @@ from lowwater._native import (
     DataPlaneConfigError,
     DuplicateRollout,
     DuplicateSecret,
+    InterceptTable,
     LowwaterError,
     TurnRecord,
 )
@@ -296,8 +297,59 @@ def test_unregister_cancels_a_waiting_call_with_410_and_leaves_nothing() -> None
         }
         assert (stats["closed"], stats["ok"], stats["refused"]) == (1, 1, 1)
         assert [rec.rollout_id for rec in r.records] == ["r1"]
+        # The bodies: both held for their call, none left, both rollouts closed in the table.
+        table = r.plane.table.stats()
+        assert (stats["intercepts"], stats["intercept_bytes"]) == (0, 0)
+        assert {k: table[k] for k in ("entries", "bytes", "open_rollouts", "inserts")} == {
+            "entries": 0,
+            "bytes": 0,
+            "open_rollouts": 0,
+            "inserts": 2,
+        }
 
     run(fn)
+
+
+def test_a_given_table_holds_each_body_for_its_call() -> None:
+    table = InterceptTable(capacity_bytes=1 << 20)
+
+    async def fn(r: Rig) -> None:
+        assert r.plane.table is table
+        r.open("r0", "s0")
+        assert table.is_open("r0")
+        r.upstream.hang = True
+
+        async def call() -> None:
+            await r.chat("s0", [{"role": "user", "content": "hi"}])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            await r.upstream.entered.wait()
+            (request_id,) = table.rollout_requests("r0")
+            view = table.get(request_id)
+            assert view is not None and view.rollout_id == "r0" and view.protocol == "openai.chat"
+            assert orjson.loads(bytes(memoryview(view)))["messages"] == [{"role": "user", "content": "hi"}]
+            del view
+            assert r.plane.stats()["intercepts"] == 1
+            r.close("r0")
+        stats = await r.settled()
+        assert (stats["intercepts"], len(table), table.stats()["live_bytes"]) == (0, 0, 0)
+        assert not table.is_open("r0")
+
+    run(fn, table=table)
+
+
+def test_a_full_table_is_503_with_retry_after_and_holds_nothing() -> None:
+    async def fn(r: Rig) -> None:
+        r.open("r0", "s0")
+        answer = await r.chat("s0", [{"role": "user", "content": "too big for 16 bytes"}])
+        assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
+        assert "intercept table is full" in answer.json()["error"]["message"]
+        stats = await r.settled()
+        assert (stats["in_flight"], stats["intercepts"], r.plane.table.stats()["rejected"]) == (0, 0, 1)
+        assert r.records == []
+
+    run(fn, table=InterceptTable(capacity_bytes=16))
 
 
 def test_records_of_closed_rollouts_are_acked() -> None:

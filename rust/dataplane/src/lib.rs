@@ -67,6 +67,8 @@ pub mod divergence;
 #[cfg(not(loom))]
 pub mod error;
 #[cfg(not(loom))]
+mod held;
+#[cfg(not(loom))]
 mod plane;
 #[cfg(not(loom))]
 pub mod protocol;
@@ -83,6 +85,9 @@ mod upstream;
 
 #[cfg(not(loom))]
 pub use error::{ConfigError, RegisterError};
+/// The intercept table the plane holds request bodies in (from `lowwater-core`).
+#[cfg(not(loom))]
+pub use lowwater_core::InterceptTable;
 #[cfg(not(loom))]
 pub use plane::{Config, DataPlane, StartError, Stats};
 #[cfg(not(loom))]

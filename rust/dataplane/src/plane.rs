@@ -1,10 +1,11 @@
 //! The data plane as a whole: configuration, start, the control API, stats.
 
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use lowwater_core::InterceptTable;
 use tokio::sync::oneshot;
 
 use crate::divergence::MessageHasher;
@@ -16,7 +17,7 @@ use crate::server::{accept_loop, Counters, Shared};
 use crate::upstream::Upstream;
 
 /// How the data plane runs.  [`Config::new`] gives the Python server's defaults.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Config {
     /// The upstream's base URL (`http://127.0.0.1:8000/v1`); a call to
     /// `/v1/chat/completions` goes to `{upstream}/chat/completions`.
@@ -53,6 +54,25 @@ pub struct Config {
     /// Tokio worker threads (2): a bounded runtime, so the data plane's
     /// allocator caches are per a fixed few threads.
     pub worker_threads: usize,
+    /// Where request bodies are held for the life of their call (`None`: a
+    /// new unbounded table with a 1 MiB mmap threshold).  Shared with the
+    /// control plane, which reads its counters; a bounded table refuses a
+    /// call over its capacity with 503 and `retry-after: 1`.
+    pub table: Option<Arc<InterceptTable>>,
+}
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The key is a credential: never in a debug print.
+        f.debug_struct("Config")
+            .field("upstream", &self.upstream)
+            .field("upstream_key", &self.upstream_key.as_ref().map(|_| "<redacted>"))
+            .field("max_body_bytes", &self.max_body_bytes)
+            .field("hold_for_ack", &self.hold_for_ack)
+            .field("worker_threads", &self.worker_threads)
+            .field("table", &self.table.as_ref().map(|t| t.stats()))
+            .finish_non_exhaustive()
+    }
 }
 
 impl Config {
@@ -73,6 +93,7 @@ impl Config {
             pool_idle_timeout: Duration::from_secs(5),
             hold_for_ack: true,
             worker_threads: 2,
+            table: None,
         }
     }
 }
@@ -138,6 +159,11 @@ pub struct Stats {
     pub disconnected: u64,
     /// Calls refused before forwarding (400, 401, 413; not recorded).
     pub refused: u64,
+    /// Request bodies held in the intercept table now (equals the calls
+    /// between their body's read and their end).
+    pub intercepts: usize,
+    /// Their bytes.
+    pub intercept_bytes: u64,
 }
 
 /// A running data plane: its own tokio runtime, listener and tables.
@@ -190,7 +216,11 @@ impl DataPlane {
             let _in = runtime.enter();
             tokio::net::TcpListener::from_std(std_listener)?
         };
+        let table = config.table.unwrap_or_else(|| Arc::new(InterceptTable::new(None, 1 << 20)));
         let shared = Arc::new(Shared {
+            table,
+            request_prefix: request_prefix(addr),
+            next_request: AtomicU64::new(0),
             rollouts: RolloutTable::new(),
             queue: CompletionQueue::new()?,
             protocols: config.protocols,
@@ -217,13 +247,24 @@ impl DataPlane {
     /// # Errors
     /// As [`RolloutTable::register`].
     pub fn register(&self, rollout_id: &str, secret: &str) -> Result<(), RegisterError> {
-        self.shared.rollouts.register(rollout_id, secret)
+        self.shared.rollouts.register(rollout_id, secret)?;
+        self.shared.table.open_rollout(rollout_id);
+        Ok(())
     }
 
     /// Close a rollout, cancelling its in-flight calls (see
     /// [`RolloutTable::unregister`]); `None` if it was not open.
     pub fn unregister(&self, rollout_id: &str) -> Option<usize> {
-        self.shared.rollouts.unregister(rollout_id)
+        let cancelled = self.shared.rollouts.unregister(rollout_id);
+        // After the cancel: a call that raced it to an insert either sees the
+        // rollout closed or has its body swept here.
+        self.shared.table.close_rollout(rollout_id);
+        cancelled
+    }
+
+    /// The intercept table holding the in-flight calls' request bodies.
+    pub fn table(&self) -> &Arc<InterceptTable> {
+        &self.shared.table
     }
 
     /// The completion queue: wakeup fd, drain, ack.
@@ -255,6 +296,8 @@ impl DataPlane {
             closed: get(&c.closed),
             disconnected: get(&c.disconnected),
             refused: get(&c.refused),
+            intercepts: sh.table.len(),
+            intercept_bytes: sh.table.stats().bytes,
         }
     }
 
@@ -293,4 +336,12 @@ impl Drop for DataPlane {
     fn drop(&mut self) {
         self.stop_now();
     }
+}
+
+/// A prefix for this plane's request ids, so two planes sharing one table
+/// (or a plane beside another writer) never collide: the port and the start
+/// time in nanoseconds.
+fn request_prefix(addr: SocketAddr) -> String {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    format!("dp{}-{:x}-", addr.port(), nanos)
 }

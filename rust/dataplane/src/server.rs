@@ -23,11 +23,13 @@ use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use lowwater_core::{InterceptTable, TableError};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::body::{read_limited, BodyError, ResBody};
 use crate::divergence::MessageHasher;
+use crate::held::Held;
 use crate::lifecycle::{CallId, Cancelled};
 use crate::protocol::{error_body, ErrorFlavour, ParsedRequest, ProtocolId, ProtocolSpec, ProtocolTable};
 use crate::queue::{CompletionQueue, RequestDelta, Timings, TurnRecord};
@@ -41,6 +43,10 @@ const FORWARD_HEADERS: [&str; 3] = ["anthropic-version", "anthropic-beta", "open
 /// How long a send to a client that does not read may block (the Python
 /// server's `SEND_TIMEOUT_S`).
 const SEND_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Bodies at least this large are copied into the intercept table off the
+/// async path (bytes).
+const BLOCKING_COPY_BYTES: usize = 1 << 20;
 
 /// Chunks a stream's relay may run ahead of its client.
 const RELAY_DEPTH: usize = 16;
@@ -60,6 +66,10 @@ pub(crate) struct Counters {
 
 /// What every connection and call shares.
 pub(crate) struct Shared {
+    /// Request bodies of in-flight calls (`held`).
+    pub(crate) table: Arc<InterceptTable>,
+    pub(crate) request_prefix: String,
+    pub(crate) next_request: AtomicU64,
     pub(crate) rollouts: RolloutTable,
     pub(crate) queue: CompletionQueue,
     pub(crate) protocols: ProtocolTable,
@@ -246,6 +256,38 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
         bump(&sh.counters.closed);
         return error(spec.flavour, 410, &format!("rollout {} was closed", rollout.id));
     };
+    let n = sh.next_request.fetch_add(1, Ordering::Relaxed);
+    let request_id = format!("{}{n}", sh.request_prefix);
+    let insert = || Held::insert(&sh.table, &request_id, &rollout.id, &spec.name, parsed.stream, &body);
+    // A large copy (up to 64 MiB, ~10 ms) must not stall the other calls on
+    // this worker thread: block_in_place hands them to another worker first.
+    let held = if body.len() >= BLOCKING_COPY_BYTES { tokio::task::block_in_place(insert) } else { insert() };
+    let held = match held {
+        Ok(h) => h,
+        Err(e) => {
+            rollout.calls.abandon(id);
+            return match e {
+                TableError::RolloutClosed { .. } => {
+                    bump(&sh.counters.closed);
+                    error(spec.flavour, 410, &format!("rollout {} was closed", rollout.id))
+                }
+                // The Python server's answer to a full table: retry shortly.
+                TableError::Full { .. } => {
+                    bump(&sh.counters.failed);
+                    let mut r = error(spec.flavour, 503, "the intercept table is full; retry later");
+                    r.headers_mut().insert(RETRY_AFTER, HeaderValue::from_static("1"));
+                    r
+                }
+                other => {
+                    bump(&sh.counters.failed);
+                    error(spec.flavour, 503, &format!("the request body cannot be held: {other}"))
+                }
+            };
+        }
+    };
+    // From here the agent's bytes live once, in the table: the read buffer is
+    // dropped and the upstream request shares the table's copy.
+    let body = held.bytes();
     let delta = delta(&sh, &rollout, &body, &parsed);
     let call = Call {
         sh: Arc::clone(&sh),
@@ -260,6 +302,7 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
         tools: parsed.tools.map(Bytes::from),
         start,
         started_s,
+        _held: held,
         _active: active,
     };
     call.run(body, extra, cancel_rx).await
@@ -295,6 +338,9 @@ struct Call {
     tools: Option<Bytes>,
     start: Instant,
     started_s: f64,
+    /// The request body in the intercept table, discarded when the call ends
+    /// (answered, failed, cancelled, or dropped when its client left).
+    _held: Held,
     /// Counts the call as active until its last byte is handed over.
     _active: Gauge,
 }

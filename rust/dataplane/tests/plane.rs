@@ -581,6 +581,51 @@ fn tables_are_empty_after_many_rollouts() {
         (0, 0, 0, 0, 0, 2 * n, 2 * n, 0, 0)
     );
     assert_eq!(acker.take().len(), 2 * n as usize);
+    // Every body was held in the table for its call, and none is left.
+    let t = h.plane.table().stats();
+    assert_eq!((t.entries, t.bytes, t.live_bytes, t.inserts, t.discards, t.open_rollouts), (0, 0, 0, 2 * n, 2 * n, 0));
+    assert_eq!((s.intercepts, s.intercept_bytes), (0, 0));
+}
+
+#[test]
+fn a_pending_call_holds_its_body_in_the_table_until_it_ends() {
+    let table = Arc::new(lowwater_dataplane::InterceptTable::new(None, 1 << 20));
+    let h = harness(|c| c.table = Some(Arc::clone(&table)));
+    h.plane.register("r", "s").unwrap();
+    assert!(table.is_open("r"));
+    let body = chat_body("hang", false, &["x"]);
+    let len = body.len() as u64;
+    let c = h.client.clone();
+    let req = request(h.addr(), "/v1/chat/completions", &[("authorization", "Bearer s")], body);
+    let pending = h.rt.spawn(async move { c.request(req).await.unwrap().status().as_u16() });
+    h.wait_stats("the call is in flight", |s| s.in_flight == 1);
+    let held = table.rollout_requests("r");
+    assert_eq!(held.len(), 1);
+    assert_eq!(table.get(&held[0]).unwrap().payload.as_slice().len() as u64, len);
+    assert_eq!((h.plane.stats().intercepts, h.plane.stats().intercept_bytes), (1, len));
+    // Unregister cancels the call and sweeps (or the call discards) its body.
+    h.plane.unregister("r");
+    assert_eq!(h.rt.block_on(pending).unwrap(), 410);
+    h.wait_stats("the call ended", |s| s.active_calls == 0);
+    let t = table.stats();
+    assert_eq!((t.entries, t.bytes, t.open_rollouts), (0, 0, 0));
+    assert!(!table.is_open("r"));
+}
+
+#[test]
+fn a_full_table_refuses_the_call_503_with_retry_after() {
+    let table = Arc::new(lowwater_dataplane::InterceptTable::new(Some(8), 1 << 20));
+    let h = harness(|c| c.table = Some(Arc::clone(&table)));
+    h.plane.register("r", "s").unwrap();
+    let auth = "Bearer s".to_string();
+    let req = request(h.addr(), "/v1/chat/completions", &[("authorization", &auth)], chat_body("echo", false, &["x"]));
+    let (status, headers, body) = h.call(req);
+    assert_eq!(status, 503);
+    assert_eq!(headers.get("retry-after").unwrap(), "1");
+    assert!(json(&body)["error"]["message"].as_str().unwrap().contains("intercept table is full"));
+    let s = h.wait_stats("the call ended", |s| s.active_calls == 0);
+    assert_eq!((s.in_flight, s.queued, s.failed, s.intercepts), (0, 0, 1, 0));
+    assert_eq!(table.stats().rejected, 1);
 }
 
 #[test]

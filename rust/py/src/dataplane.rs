@@ -7,15 +7,17 @@
 //! in tests, the upstream) must keep running meanwhile.
 
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::{PoisonError, RwLock, RwLockReadGuard};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
+use lowwater_core::InterceptTable as CoreTable;
 use lowwater_dataplane::{Config, DataPlane as Plane, RegisterError, StartError};
 use pyo3::exceptions::{PyKeyError, PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use crate::errors::{guarded, DataPlaneClosed, DataPlaneConfigError, DuplicateRollout, DuplicateSecret};
+use crate::intercept::InterceptTable;
 
 /// How long `close()` waits for the runtime's threads to finish their
 /// current task: tasks are cancelled at their next await, so this is reached
@@ -91,6 +93,8 @@ pub struct DataPlane {
     /// with the GIL released, only to take the plane out.
     plane: RwLock<Option<Plane>>,
     address: String,
+    /// The intercept table the plane holds bodies in (given or made at start).
+    table: Py<InterceptTable>,
 }
 
 impl DataPlane {
@@ -133,6 +137,7 @@ impl DataPlane {
         pool_idle_timeout_s = 5.0,
         hold_for_ack = true,
         worker_threads = 2,
+        table = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -152,6 +157,7 @@ impl DataPlane {
         pool_idle_timeout_s: f64,
         hold_for_ack: bool,
         worker_threads: usize,
+        table: Option<Py<InterceptTable>>,
     ) -> PyResult<Self> {
         guarded(|| {
             let mut config = Config::new(upstream);
@@ -167,6 +173,11 @@ impl DataPlane {
             config.pool_idle_timeout = secs("pool_idle_timeout_s", pool_idle_timeout_s)?;
             config.hold_for_ack = hold_for_ack;
             config.worker_threads = worker_threads;
+            let table = match table {
+                Some(t) => t,
+                None => Py::new(py, InterceptTable { inner: Arc::new(CoreTable::new(None, 1 << 20)) })?,
+            };
+            config.table = Some(Arc::clone(&table.get().inner));
             let host = host.to_owned();
             // Name resolution and the runtime's start can block: GIL released.
             let plane = py.detach(move || -> PyResult<Plane> {
@@ -178,7 +189,7 @@ impl DataPlane {
                 Plane::start(config, listen).map_err(start_error)
             })?;
             let address = plane.local_addr().to_string();
-            Ok(DataPlane { plane: RwLock::new(Some(plane)), address })
+            Ok(DataPlane { plane: RwLock::new(Some(plane)), address, table })
         })
     }
 
@@ -186,6 +197,12 @@ impl DataPlane {
     #[getter]
     fn address(&self) -> &str {
         &self.address
+    }
+
+    /// The intercept table holding the in-flight calls' request bodies.
+    #[getter]
+    fn table(&self, py: Python<'_>) -> Py<InterceptTable> {
+        self.table.clone_ref(py)
     }
 
     #[getter]
@@ -267,6 +284,8 @@ impl DataPlane {
         d.set_item("closed", s.closed)?;
         d.set_item("disconnected", s.disconnected)?;
         d.set_item("refused", s.refused)?;
+        d.set_item("intercepts", s.intercepts)?;
+        d.set_item("intercept_bytes", s.intercept_bytes)?;
         Ok(d)
     }
 

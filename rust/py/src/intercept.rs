@@ -56,7 +56,9 @@ view_pymethods! {
 /// The intercept table: `request_id -> intercept` for in-flight model calls.
 #[pyclass(frozen, module = "lowwater")]
 pub struct InterceptTable {
-    inner: CoreTable,
+    /// Shared with a `DataPlane` given this table, which holds its calls'
+    /// request bodies in it.
+    pub(crate) inner: Arc<CoreTable>,
 }
 
 table_pymethods! {

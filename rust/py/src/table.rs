@@ -45,7 +45,8 @@ macro_rules! table_pymethods {
             #[pyo3(signature = (capacity_bytes = None, mmap_threshold = 1 << 20))]
             fn new(capacity_bytes: Option<i64>, mmap_threshold: i64) -> ::pyo3::PyResult<Self> {
                 let (capacity, threshold) = $crate::table::limits(capacity_bytes, mmap_threshold)?;
-                Ok($class { inner: <$core>::new(capacity, threshold) })
+                // `From`: the class holds its table by value or in an `Arc` (shared with Rust).
+                Ok($class { inner: ::std::convert::From::from(<$core>::new(capacity, threshold)) })
             }
 
             #[getter]
