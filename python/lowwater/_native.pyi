@@ -9,7 +9,7 @@ seconds.
 """
 
 from collections.abc import Iterable
-from typing import Self, final
+from typing import Any, Self, final
 
 # typing_extensions, not collections.abc: Buffer is in collections.abc from 3.12
 # only, and the package supports 3.11.  A stub is never imported, so this is
@@ -358,9 +358,14 @@ class DataPlane:
             call over a bounded table's capacity is refused with 503 and
             ``retry-after: 1``; :meth:`register` opens the rollout in it and
             :meth:`unregister` closes it (sweeping what is still held).
+        protocols: the routes, each a
+            :meth:`lowwater.interception.protocols.Protocol.data_plane_spec`
+            dict (default: the built-in three); the table is exactly these.
 
     Raises:
-        DataPlaneConfigError: an unusable configuration (see the exception).
+        DataPlaneConfigError: an unusable configuration (see the exception),
+            including a bad protocol table (an unknown flavour or field kind,
+            not exactly one terminal rule, two protocols with one name or path).
         ValueError: a negative or non-finite duration.
         OverflowError: a negative count or a port over 65535.
         OSError: the address cannot be resolved or bound.
@@ -385,7 +390,17 @@ class DataPlane:
         hold_for_ack: bool = True,
         worker_threads: int = 2,
         table: InterceptTable | None = None,
+        protocols: list[dict[str, Any]] | None = None,
     ) -> Self: ...
+    @property
+    def protocols(self) -> list[dict[str, Any]]:
+        """The protocol table in order (a record's ``protocol_id`` indexes
+        it), each as :meth:`lowwater.interception.protocols.Protocol.data_plane_spec`
+        gives it.
+
+        Raises:
+            DataPlaneClosed: after :meth:`close`.
+        """
     @property
     def table(self) -> InterceptTable:
         """The intercept table holding the in-flight calls' request bodies."""

@@ -76,6 +76,50 @@ class StreamAccumulator:
         raise NotImplementedError
 
 
+#: The JSON types :attr:`Wire.fields` may require of a top-level field.
+FIELD_KINDS = ("string", "positive_integer", "string_or_array")
+
+
+@attrs.frozen
+class Wire:
+    """What the Rust data plane (:class:`lowwater._native.DataPlane`) needs of a
+    protocol to route, validate and relay its calls without Python: data,
+    not code (docs/dataplane.md#what-rust-needs-from-a-protocol).
+
+    Attributes:
+        messages: the top-level key of the list a turn's delta is taken from
+            (``"messages"``; ``"input"`` for the responses API).
+        string_input: whether a plain string there stands for one user message.
+        roles: the roles a message may have (empty: any JSON object).
+        fields: ``(key, kind, required)`` per top-level field checked besides
+            ``stream`` and the messages; ``kind`` one of :data:`FIELD_KINDS`.
+        tools: the top-level keys holding the tools the agent offered,
+            copied into each record for :meth:`Protocol.tools` to read.
+        terminal_data: a stream ends with the event whose data, trimmed, is
+            this text (``"[DONE]"``) ...
+        terminal_types: ... or whose ``event:`` name (or JSON ``type``) is one
+            of these (``("message_stop",)``).  Exactly one of the two is set.
+
+    Raises:
+        ValueError: an unknown field kind, or not exactly one terminal rule.
+    """
+
+    messages: str = "messages"
+    string_input: bool = False
+    roles: tuple[str, ...] = ()
+    fields: tuple[tuple[str, str, bool], ...] = (("model", "string", True),)
+    tools: tuple[str, ...] = ()
+    terminal_data: str | None = None
+    terminal_types: tuple[str, ...] = ()
+
+    def __attrs_post_init__(self) -> None:
+        for key, kind, _ in self.fields:
+            if kind not in FIELD_KINDS:
+                raise ValueError(f"field {key!r}: kind {kind!r} is not one of {FIELD_KINDS}")
+        if (self.terminal_data is None) == (not self.terminal_types):
+            raise ValueError("give exactly one of terminal_data and terminal_types")
+
+
 class Protocol:
     """Base class of a wire protocol: set ``name`` and ``path``, implement the methods.
 
@@ -86,11 +130,26 @@ class Protocol:
             same path under its own base URL.
         error_flavour: ``"openai"`` or ``"anthropic"``: the shape of error
             bodies and error events (:meth:`error_body`, :meth:`error_event`).
+        wire: the protocol's :class:`Wire`, what the Rust data plane needs
+            to serve it (``None``: the data plane cannot serve it).
     """
 
     name = ""
     path = ""
     error_flavour = "openai"
+    wire: Wire | None = None
+
+    def data_plane_spec(self) -> dict[str, Any]:
+        """The protocol as :class:`lowwater._native.DataPlane`'s ``protocols``
+        argument takes it (``name``, ``path``, ``flavour`` and the
+        :class:`Wire`'s fields).
+
+        Raises:
+            ValueError: the protocol declares no :attr:`wire`.
+        """
+        if self.wire is None:
+            raise ValueError(f"protocol {self.name!r} declares no wire format for the data plane")
+        return {"name": self.name, "path": self.path, "flavour": self.error_flavour, **attrs.asdict(self.wire)}
 
     def parse(self, body: Any) -> Request:
         """Validate a decoded request body.
@@ -262,6 +321,7 @@ class OpenAIChat(Protocol):
 
     name = "openai.chat"
     path = "/v1/chat/completions"
+    wire = Wire(roles=_CHAT_ROLES, tools=("tools", "functions"), terminal_data="[DONE]")
 
     def parse(self, body: Any) -> Request:
         body = _object(body)
@@ -360,6 +420,12 @@ class OpenAIResponses(Protocol):
 
     name = "openai.responses"
     path = "/v1/responses"
+    wire = Wire(
+        messages="input",
+        string_input=True,
+        tools=("tools",),
+        terminal_types=("response.completed", "response.incomplete", "response.failed"),
+    )
 
     def parse(self, body: Any) -> Request:
         body = _object(body)
@@ -433,6 +499,16 @@ class AnthropicMessages(Protocol):
     name = "anthropic.messages"
     path = "/v1/messages"
     error_flavour = "anthropic"
+    wire = Wire(
+        roles=("user", "assistant"),
+        fields=(
+            ("model", "string", True),
+            ("max_tokens", "positive_integer", True),
+            ("system", "string_or_array", False),
+        ),
+        tools=("tools",),
+        terminal_types=("message_stop",),
+    )
 
     def parse(self, body: Any) -> Request:
         body = _object(body)

@@ -11,13 +11,14 @@ use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
 use lowwater_core::InterceptTable as CoreTable;
-use lowwater_dataplane::{Config, DataPlane as Plane, RegisterError, StartError};
+use lowwater_dataplane::{Config, DataPlane as Plane, ProtocolTable, RegisterError, StartError};
 use pyo3::exceptions::{PyKeyError, PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use crate::errors::{guarded, DataPlaneClosed, DataPlaneConfigError, DuplicateRollout, DuplicateSecret};
 use crate::intercept::InterceptTable;
+use crate::protocols::{spec_dict, WireSpec};
 
 /// How long `close()` waits for the runtime's threads to finish their
 /// current task: tasks are cancelled at their next await, so this is reached
@@ -138,6 +139,7 @@ impl DataPlane {
         hold_for_ack = true,
         worker_threads = 2,
         table = None,
+        protocols = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -158,6 +160,7 @@ impl DataPlane {
         hold_for_ack: bool,
         worker_threads: usize,
         table: Option<Py<InterceptTable>>,
+        protocols: Option<Vec<WireSpec>>,
     ) -> PyResult<Self> {
         guarded(|| {
             let mut config = Config::new(upstream);
@@ -178,6 +181,11 @@ impl DataPlane {
                 None => Py::new(py, InterceptTable { inner: Arc::new(CoreTable::new(None, 1 << 20)) })?,
             };
             config.table = Some(Arc::clone(&table.get().inner));
+            if let Some(wires) = protocols {
+                let specs = wires.into_iter().map(WireSpec::into_spec).collect::<PyResult<Vec<_>>>()?;
+                config.protocols =
+                    ProtocolTable::new(specs).map_err(|e| DataPlaneConfigError::new_err(e.to_string()))?;
+            }
             let host = host.to_owned();
             // Name resolution and the runtime's start can block: GIL released.
             let plane = py.detach(move || -> PyResult<Plane> {
@@ -197,6 +205,15 @@ impl DataPlane {
     #[getter]
     fn address(&self) -> &str {
         &self.address
+    }
+
+    /// The protocol table, in order (a record's `protocol_id` indexes it),
+    /// each as `Protocol.data_plane_spec()` gives it.
+    #[getter]
+    fn protocols<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let specs: Vec<_> =
+            self.with(|p| Ok((0..p.protocols().len()).filter_map(|i| p.protocols().get(i as u16).cloned()).collect()))?;
+        specs.iter().map(|s| spec_dict(py, s)).collect()
     }
 
     /// The intercept table holding the in-flight calls' request bodies.

@@ -10,6 +10,7 @@ mod dataplane;
 mod errors;
 mod fetch_buffer;
 mod intercept;
+mod protocols;
 mod table;
 
 #[pymodule]
