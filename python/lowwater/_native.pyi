@@ -263,6 +263,8 @@ class TurnRecord:
     Attributes:
         seq: pass to :meth:`DataPlane.ack` to release the call's held last bytes.
         rollout_id: the rollout the call belongs to.
+        request_id: the call's id (its key in :attr:`DataPlane.table` while
+            it ran; unique per data plane).
         protocol: the protocol's name (``"openai.chat"``, ``"openai.responses"``,
             ``"anthropic.messages"``); ``protocol_id`` is its index in the
             data plane's protocol table.
@@ -294,6 +296,8 @@ class TurnRecord:
     def seq(self) -> int: ...
     @property
     def rollout_id(self) -> str: ...
+    @property
+    def request_id(self) -> str: ...
     @property
     def protocol(self) -> str: ...
     @property

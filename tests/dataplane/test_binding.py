@@ -115,6 +115,8 @@ async def rig(**options: Any) -> AsyncIterator[Rig]:
     records: list[TurnRecord] = []
 
     def on_record(record: TurnRecord) -> None:
+        # Each call has its own id (the key its body was held under).
+        assert record.request_id and all(r.request_id != record.request_id for r in records)
         records.append(record)
         trajectory = trajectories.get(record.rollout_id)
         if trajectory is not None:

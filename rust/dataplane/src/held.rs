@@ -55,6 +55,11 @@ impl Held {
         }
     }
 
+    /// The call's id, its key in the table.
+    pub(crate) fn request_id(&self) -> Arc<str> {
+        Arc::clone(&self.intercept.request_id)
+    }
+
     /// The held body, sharing the table's copy (its memory lives while the
     /// returned bytes do, even once the entry is discarded).
     pub(crate) fn bytes(&self) -> Bytes {

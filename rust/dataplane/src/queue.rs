@@ -55,6 +55,9 @@ pub struct TurnRecord {
     pub seq: u64,
     /// The rollout the call belongs to.
     pub rollout_id: std::sync::Arc<str>,
+    /// The call's id: its key in the intercept table while it ran, and the
+    /// id an upcall about the same call carries (unique per data plane).
+    pub request_id: std::sync::Arc<str>,
     /// The protocol's index in the data plane's protocol table.
     pub protocol: ProtocolId,
     /// The `model` the agent asked for (`""` if the protocol has none).
@@ -248,6 +251,7 @@ mod tests {
 
     fn record(q: &CompletionQueue) -> TurnRecord {
         TurnRecord {
+            request_id: "q".into(),
             seq: q.next_seq(),
             rollout_id: "r".into(),
             protocol: 0,

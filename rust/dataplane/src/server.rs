@@ -451,6 +451,7 @@ impl Call {
         let record = TurnRecord {
             seq: sh.queue.next_seq(),
             rollout_id: Arc::clone(&self.rollout.id),
+            request_id: self._held.request_id(),
             protocol: self.protocol,
             model: std::mem::take(&mut self.model),
             streamed: self.streamed,

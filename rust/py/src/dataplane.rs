@@ -52,6 +52,7 @@ fn register_error(err: RegisterError) -> PyErr {
 pub struct TurnRecord {
     seq: u64,
     rollout_id: String,
+    request_id: String,
     protocol: String,
     protocol_id: u16,
     model: String,
@@ -257,6 +258,7 @@ impl DataPlane {
                     Ok(TurnRecord {
                         seq: r.seq,
                         rollout_id: r.rollout_id.to_string(),
+                        request_id: r.request_id.to_string(),
                         protocol: names.get(r.protocol as usize).cloned().unwrap_or_default(),
                         protocol_id: r.protocol,
                         model: r.model,
