@@ -83,19 +83,13 @@ def test_incomplete_response_reason():
     assert done.finish_reason == "max_output_tokens" and done.error is None
 
 
-def test_upstream_body_rewrites_only_when_needed():
+def test_data_plane_rewrites_ask_for_logprobs_only_when_asked():
     chat, resp, msgs = OpenAIChat(), OpenAIResponses(), AnthropicMessages()
-    body = {"model": "m", "messages": []}
-    assert chat.upstream_body(body, model=None, logprobs=False) is None
-    assert chat.upstream_body(body, model="m", logprobs=False) is None
-    assert chat.upstream_body(body, model="n", logprobs=False) == {"model": "n", "messages": []}
-    assert chat.upstream_body(body, model=None, logprobs=True) == {**body, "logprobs": True, "return_token_ids": True}
-    assert resp.upstream_body({"model": "m", "include": ["x"]}, model=None, logprobs=True)["include"] == [
-        "x",
-        "message.output_text.logprobs",
-    ]
-    assert msgs.upstream_body(body, model=None, logprobs=True) is None
-    assert body == {"model": "m", "messages": []}  # never mutated
+    for protocol in (chat, resp, msgs):
+        assert protocol.data_plane_rewrites(logprobs=False) == {}
+    assert chat.data_plane_rewrites(logprobs=True) == {"set": {"logprobs": "true", "return_token_ids": "true"}}
+    assert resp.data_plane_rewrites(logprobs=True) == {"append": {"include": '"message.output_text.logprobs"'}}
+    assert msgs.data_plane_rewrites(logprobs=True) == {}
 
 
 def test_responses_string_input_is_one_user_message():

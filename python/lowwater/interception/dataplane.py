@@ -15,7 +15,8 @@ This is the binding step of docs/dataplane.md: ``InterceptionServer``
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+import inspect
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
@@ -30,7 +31,7 @@ from lowwater.trajectory import Trajectory, Turn
 __all__ = ["serve_records", "turn_of"]
 
 
-async def serve_records(plane: DataPlane, on_record: Callable[[TurnRecord], object]) -> None:
+async def serve_records(plane: DataPlane, on_record: Callable[[TurnRecord], Awaitable[None] | None]) -> None:
     """Drain ``plane``'s records into ``on_record`` and ack each, until cancelled.
 
     Waits with :func:`trio.lowlevel.wait_readable` on the plane's wakeup fd;
@@ -47,7 +48,10 @@ async def serve_records(plane: DataPlane, on_record: Callable[[TurnRecord], obje
     Args:
         plane: a started data plane.
         on_record: called once per record, oldest first, in the Trio thread
-            (e.g. ``trajectory.add_turn(turn_of(record, trajectory))``).
+            (e.g. ``trajectory.add_turn(turn_of(record, trajectory))``); an
+            awaitable it returns is awaited before the record is acked (the
+            interceptors' ``intercept_response`` hooks run so, before the
+            agent has the end of its answer).
 
     Raises:
         Exception: whatever ``on_record`` raised (the rest of its batch is
@@ -65,7 +69,9 @@ async def serve_records(plane: DataPlane, on_record: Callable[[TurnRecord], obje
             return
         for i, record in enumerate(records):
             try:
-                on_record(record)
+                pending = on_record(record)
+                if pending is not None and inspect.isawaitable(pending):
+                    await pending
             except BaseException:
                 for held in records[i:]:
                     plane.ack(held.seq)

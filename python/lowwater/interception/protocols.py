@@ -3,8 +3,8 @@
 A :class:`Protocol` knows one endpoint's wire format.  It validates a
 request (:class:`~lowwater.http.HTTPError` 400 with a reason), names the
 messages a turn's delta is computed from and the tools the agent offered
-(:meth:`Protocol.tools`; none by default), optionally rewrites the body sent
-upstream (model override, logprob capture), and turns an upstream answer,
+(:meth:`Protocol.tools`; none by default), declares what the data plane splices into
+the body sent upstream (:meth:`Protocol.data_plane_rewrites`: logprob capture), and turns an upstream answer,
 whole or streamed, into what the turn records: completion, finish reason,
 usage, token ids and logprobs.  It also knows its error shapes, so the
 agent's SDK reads a proxy error the way it reads the real API's.
@@ -171,16 +171,17 @@ class Protocol:
         """
         return None
 
-    def upstream_body(self, body: Json, *, model: str | None, logprobs: bool) -> Json | None:
-        """The body to forward, or ``None`` to forward the agent's raw bytes unchanged.
+    def data_plane_rewrites(self, *, logprobs: bool) -> dict[str, dict[str, str]]:
+        """What the data plane splices into every request of this protocol, as
+        its ``rewrites`` argument takes one protocol's rules: ``{"set": {key:
+        JSON text}, "append": {key: JSON text of an item}}`` (empty: nothing).
 
-        ``model`` replaces the requested model (``None``: keep it);
         ``logprobs`` asks the upstream for token ids and logprobs where the
-        protocol has a way to (the base class has none).
+        protocol has a way to (the base class has none).  The model override
+        is per rollout (:meth:`DataPlane.register`), the sampling arguments
+        per run; neither belongs here.
         """
-        if model is None or body.get("model") == model:
-            return None
-        return {**body, "model": model}
+        return {}
 
     def completion(self, answer: Any) -> Completion:
         """The turn's fields from a decoded non-streamed answer (tolerant of odd shapes)."""
@@ -335,12 +336,9 @@ class OpenAIChat(Protocol):
             tools = [{"type": "function", "function": f} for f in functions]
         return tools
 
-    def upstream_body(self, body: Json, *, model: str | None, logprobs: bool) -> Json | None:
-        out = super().upstream_body(body, model=model, logprobs=logprobs)
-        if logprobs and not (body.get("logprobs") is True and body.get("return_token_ids") is True):
-            # vLLM and SGLang answer with completion token ids and their logprobs.
-            out = {**(out or body), "logprobs": True, "return_token_ids": True}
-        return out
+    def data_plane_rewrites(self, *, logprobs: bool) -> dict[str, dict[str, str]]:
+        # vLLM and SGLang answer with completion token ids and their logprobs.
+        return {"set": {"logprobs": "true", "return_token_ids": "true"}} if logprobs else {}
 
     def completion(self, answer: Any) -> Completion:
         answer = _dict(answer)
@@ -446,12 +444,8 @@ class OpenAIResponses(Protocol):
         """``tools`` (function tools and built-in ones such as ``web_search``)."""
         return _tool_list(body.get("tools"))
 
-    def upstream_body(self, body: Json, *, model: str | None, logprobs: bool) -> Json | None:
-        out = super().upstream_body(body, model=model, logprobs=logprobs)
-        include = body.get("include")
-        if logprobs and isinstance(include, (list, type(None))) and _LOGPROBS_INCLUDE not in (include or []):
-            out = {**(out or body), "include": [*(include or []), _LOGPROBS_INCLUDE]}
-        return out
+    def data_plane_rewrites(self, *, logprobs: bool) -> dict[str, dict[str, str]]:
+        return {"append": {"include": orjson.dumps(_LOGPROBS_INCLUDE).decode()}} if logprobs else {}
 
     def completion(self, answer: Any) -> Completion:
         answer = _dict(answer)

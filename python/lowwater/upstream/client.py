@@ -153,6 +153,9 @@ class ModelClient:
         self.api_key = api_key
         self.model = model
         self.retries = retries
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_concurrency = max_concurrency
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.limiter = trio.CapacityLimiter(max_concurrency)
