@@ -73,6 +73,10 @@ pub mod protocol;
 #[cfg(not(loom))]
 pub mod queue;
 #[cfg(not(loom))]
+mod models;
+#[cfg(not(loom))]
+pub mod rewrite;
+#[cfg(not(loom))]
 pub mod rollouts;
 #[cfg(not(loom))]
 mod server;
@@ -84,11 +88,13 @@ mod upstream;
 #[cfg(not(loom))]
 pub use error::{ConfigError, RegisterError};
 #[cfg(not(loom))]
-pub use plane::{Config, DataPlane, StartError, Stats};
+pub use plane::{Config, DataPlane, RolloutOptions, StartError, Stats};
 #[cfg(not(loom))]
 pub use protocol::{ProtocolId, ProtocolSpec, ProtocolTable};
 #[cfg(not(loom))]
 pub use queue::{CompletionQueue, RequestDelta, Timings, TurnRecord};
+#[cfg(not(loom))]
+pub use rewrite::Rewrites;
 #[cfg(not(loom))]
 pub use rollouts::RolloutTable;
 
