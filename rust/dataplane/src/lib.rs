@@ -67,13 +67,13 @@ pub mod divergence;
 #[cfg(not(loom))]
 pub mod error;
 #[cfg(not(loom))]
+mod models;
+#[cfg(not(loom))]
 mod plane;
 #[cfg(not(loom))]
 pub mod protocol;
 #[cfg(not(loom))]
 pub mod queue;
-#[cfg(not(loom))]
-mod models;
 #[cfg(not(loom))]
 pub mod rewrite;
 #[cfg(not(loom))]

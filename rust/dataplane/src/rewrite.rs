@@ -301,10 +301,7 @@ mod tests {
         r.defaults("max_output_tokens", "512", &aliases).unwrap();
         r.defaults("temperature", "0.7", &[]).unwrap();
         assert_eq!(run(r#"{"max_tokens":9,"temperature":null}"#, None, &r), None, "null counts as present");
-        assert_eq!(
-            run(r#"{"a":1}"#, None, &r).unwrap(),
-            r#"{"a":1,"max_output_tokens":512,"temperature":0.7}"#
-        );
+        assert_eq!(run(r#"{"a":1}"#, None, &r).unwrap(), r#"{"a":1,"max_output_tokens":512,"temperature":0.7}"#);
     }
 
     #[test]
@@ -412,7 +409,8 @@ mod tests {
         leaf.prop_recursive(3, 24, 4, |inner| {
             prop_oneof![
                 proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
-                proptest::collection::btree_map(key(), inner, 0..4).prop_map(|m| Value::Object(m.into_iter().collect())),
+                proptest::collection::btree_map(key(), inner, 0..4)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
             ]
         })
     }
