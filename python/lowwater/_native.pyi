@@ -8,7 +8,7 @@ release whatever the allocator does.  All byte figures are bytes; ages are
 seconds.
 """
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Self, final
 
 # typing_extensions, not collections.abc: Buffer is in collections.abc from 3.12
@@ -50,8 +50,11 @@ class RolloutClosed(LowwaterError):
 
 class DataPlaneConfigError(LowwaterError):
     """:class:`DataPlane` cannot start with this configuration: a bad upstream
-    URL, an ``https://`` upstream (the extension is built without TLS), or a
-    limit or count that must be positive given as 0."""
+    URL, an ``https://`` upstream (the extension is built without TLS), a
+    limit or count that must be positive given as 0, or a request rewrite
+    that is not JSON, of an unknown kind or for an unknown protocol.  Also
+    :meth:`DataPlane.register` with a rollout upstream or key the plane could
+    not start with."""
 
 class DataPlaneClosed(LowwaterError):
     """A method of a :class:`DataPlane` was called after :meth:`DataPlane.close`."""
@@ -268,7 +271,9 @@ class TurnRecord:
         protocol: the protocol's name (``"openai.chat"``, ``"openai.responses"``,
             ``"anthropic.messages"``); ``protocol_id`` is its index in the
             data plane's protocol table.
-        model: the ``model`` the agent asked for (``""`` if none).
+        model: the model sent upstream: the rollout's ``model`` (see
+            :meth:`DataPlane.register`) when it has one, else the ``model``
+            the agent asked for (``""`` if none).
         streamed: whether the agent asked for an SSE stream.
         kept: how many leading messages equal the rollout's previous request's;
             ``messages`` starts at this index of the request's list.
@@ -333,7 +338,9 @@ class DataPlane:
     an HTTP/1.1 server on its own tokio runtime that authenticates each model
     call by its rollout's secret, forwards it to ``upstream`` with ``api_key``,
     relays the answer, and queues a :class:`TurnRecord` per recorded call.
-    Constructing it starts serving; :meth:`close` stops it.
+    It also answers ``GET /v1/models`` for a rollout's secret (401 without
+    one) with the one model the rollout is served by, as the Python server
+    does.  Constructing it starts serving; :meth:`close` stops it.
 
     With ``hold_for_ack`` each call's last bytes (a stream's terminal event, a
     whole answer) wait until its record is acked, so the owner must drain and
@@ -365,12 +372,31 @@ class DataPlane:
         protocols: the routes, each a
             :meth:`lowwater.interception.protocols.Protocol.data_plane_spec`
             dict (default: the built-in three); the table is exactly these.
+        rewrites: request rewrites by protocol name, each a mapping of rule
+            kinds to rules, values as JSON text::
+
+                {"openai.chat": {
+                    "set": {"logprobs": "true"},  # always this value
+                    "defaults": {"max_tokens": ("512", ("max_tokens", "max_completion_tokens"))},
+                    "append": {"include": '"message.output_text.logprobs"'},
+                }}
+
+            ``set`` replaces or inserts the key; ``defaults`` inserts it only
+            when neither the key nor any alias is present (``null``
+            counts as present: the agent's value wins); ``append`` adds the
+            item to the list at the key (absent or ``null``: ``[item]``; a
+            list holding an equal item, or not a list: left alone).  Applied
+            after the rollout's model override, in the order set, defaults,
+            append, each in the mapping's order.  The body's other bytes are
+            forwarded as sent; a body with nothing to change is forwarded
+            unchanged.  Records keep the agent's messages.
 
     Raises:
         DataPlaneConfigError: an unusable configuration (see the exception),
             including a bad protocol table (an unknown flavour or field kind,
             not exactly one terminal rule, two protocols with one name or path).
         ValueError: a negative or non-finite duration.
+        TypeError: ``rewrites`` not shaped as above.
         OverflowError: a negative count or a port over 65535.
         OSError: the address cannot be resolved or bound.
     """
@@ -395,6 +421,7 @@ class DataPlane:
         worker_threads: int = 2,
         table: InterceptTable | None = None,
         protocols: list[dict[str, Any]] | None = None,
+        rewrites: Mapping[str, Mapping[str, Mapping[str, str | tuple[str, tuple[str, ...]]]]] | None = None,
     ) -> Self: ...
     @property
     def protocols(self) -> list[dict[str, Any]]:
@@ -414,11 +441,30 @@ class DataPlane:
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""
-    def register(self, rollout_id: str, secret: str) -> None:
+    def register(
+        self,
+        rollout_id: str,
+        secret: str,
+        *,
+        upstream: str | None = None,
+        api_key: str | None = None,
+        model: str | None = None,
+    ) -> None:
         """Open a rollout: calls with ``Authorization: Bearer <secret>`` or
         ``x-api-key: <secret>`` are its calls.
 
+        Args:
+            upstream: the rollout's upstream base URL (``http://host:port/v1``;
+                ``None``: the plane's).
+            api_key: the key sent to the rollout's upstream (``None``: the plane's).
+            model: sent upstream as each request's ``model`` in place of the
+                agent's, recorded as the turn's model, and the one model
+                ``GET /v1/models`` lists (``None``: the agent's model is
+                forwarded, and ``lowwater-upstream`` is listed).
+
         Raises:
+            DataPlaneConfigError: a bad or ``https://`` ``upstream``, or an
+                ``api_key`` that is not visible ASCII.
             DuplicateRollout: ``rollout_id`` is open already.
             DuplicateSecret: another open rollout has ``secret``.
             ValueError: an empty ``rollout_id`` or ``secret``.

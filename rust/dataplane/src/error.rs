@@ -14,6 +14,9 @@ pub enum ConfigError {
     Protocol(String),
     /// A limit or count that must be positive is zero.
     Limit(&'static str),
+    /// A request rewrite rule whose value is not JSON, or for a protocol the
+    /// table does not have.
+    Rewrite(String),
 }
 
 impl fmt::Display for ConfigError {
@@ -25,6 +28,7 @@ impl fmt::Display for ConfigError {
             }
             ConfigError::Protocol(why) => write!(f, "bad protocol table: {why}"),
             ConfigError::Limit(name) => write!(f, "{name} must be positive"),
+            ConfigError::Rewrite(why) => write!(f, "bad request rewrite: {why}"),
         }
     }
 }
@@ -40,6 +44,8 @@ pub enum RegisterError {
     DuplicateSecret,
     /// The rollout id or the secret is empty.
     Empty,
+    /// The rollout's own upstream URL or key is unusable (as at start).
+    Config(ConfigError),
 }
 
 impl fmt::Display for RegisterError {
@@ -48,8 +54,15 @@ impl fmt::Display for RegisterError {
             RegisterError::DuplicateRollout(id) => write!(f, "rollout {id:?} is already registered"),
             RegisterError::DuplicateSecret => f.write_str("another open rollout has this secret"),
             RegisterError::Empty => f.write_str("the rollout id and the secret must not be empty"),
+            RegisterError::Config(e) => e.fmt(f),
         }
     }
 }
 
 impl std::error::Error for RegisterError {}
+
+impl From<ConfigError> for RegisterError {
+    fn from(e: ConfigError) -> Self {
+        RegisterError::Config(e)
+    }
+}

@@ -68,12 +68,15 @@ pub mod divergence;
 pub mod error;
 #[cfg(not(loom))]
 mod held;
+mod models;
 #[cfg(not(loom))]
 mod plane;
 #[cfg(not(loom))]
 pub mod protocol;
 #[cfg(not(loom))]
 pub mod queue;
+#[cfg(not(loom))]
+pub mod rewrite;
 #[cfg(not(loom))]
 pub mod rollouts;
 #[cfg(not(loom))]
@@ -89,11 +92,13 @@ pub use error::{ConfigError, RegisterError};
 #[cfg(not(loom))]
 pub use lowwater_core::InterceptTable;
 #[cfg(not(loom))]
-pub use plane::{Config, DataPlane, StartError, Stats};
+pub use plane::{Config, DataPlane, RolloutOptions, StartError, Stats};
 #[cfg(not(loom))]
 pub use protocol::{ProtocolId, ProtocolSpec, ProtocolTable};
 #[cfg(not(loom))]
 pub use queue::{CompletionQueue, RequestDelta, Timings, TurnRecord};
+#[cfg(not(loom))]
+pub use rewrite::Rewrites;
 #[cfg(not(loom))]
 pub use rollouts::RolloutTable;
 

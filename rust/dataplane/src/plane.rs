@@ -1,5 +1,6 @@
 //! The data plane as a whole: configuration, start, the control API, stats.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -12,6 +13,7 @@ use crate::divergence::MessageHasher;
 use crate::error::{ConfigError, RegisterError};
 use crate::protocol::ProtocolTable;
 use crate::queue::CompletionQueue;
+use crate::rewrite::Rewrites;
 use crate::rollouts::RolloutTable;
 use crate::server::{accept_loop, Counters, Shared};
 use crate::upstream::Upstream;
@@ -59,6 +61,8 @@ pub struct Config {
     /// control plane, which reads its counters; a bounded table refuses a
     /// call over its capacity with 503 and `retry-after: 1`.
     pub table: Option<Arc<InterceptTable>>,
+    /// Request rewrites by protocol name (none): see [`Rewrites`].
+    pub rewrites: HashMap<String, Rewrites>,
 }
 
 impl std::fmt::Debug for Config {
@@ -73,6 +77,19 @@ impl std::fmt::Debug for Config {
             .field("table", &self.table.as_ref().map(|t| t.stats()))
             .finish_non_exhaustive()
     }
+}
+
+/// A rollout's own upstream and model (see [`DataPlane::register_with`]);
+/// the default is the plane's upstream and key and the agent's model.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RolloutOptions {
+    /// The rollout's upstream base URL (`http://host:port/v1`).
+    pub upstream: Option<String>,
+    /// The key sent to the rollout's upstream.
+    pub api_key: Option<String>,
+    /// Sent upstream as the request's `model` in place of the agent's, and
+    /// recorded as the turn's model.
+    pub model: Option<String>,
 }
 
 impl Config {
@@ -94,6 +111,7 @@ impl Config {
             hold_for_ack: true,
             worker_threads: 2,
             table: None,
+            rewrites: HashMap::new(),
         }
     }
 }
@@ -203,6 +221,7 @@ impl DataPlane {
             return Err(ConfigError::Limit("body_read_timeout").into());
         }
         let upstream = Upstream::new(&config)?;
+        let rewrites = rewrites_by_id(&config.protocols, config.rewrites)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.worker_threads)
             .thread_name("lowwater-dataplane")
@@ -230,6 +249,7 @@ impl DataPlane {
             max_response_bytes: config.max_response_bytes,
             body_read_timeout: config.body_read_timeout,
             hold_for_ack: config.hold_for_ack,
+            rewrites,
             counters: Counters::default(),
         });
         let (stop, stopped) = oneshot::channel();
@@ -248,6 +268,20 @@ impl DataPlane {
     /// As [`RolloutTable::register`].
     pub fn register(&self, rollout_id: &str, secret: &str) -> Result<(), RegisterError> {
         self.shared.rollouts.register(rollout_id, secret)?;
+        self.shared.table.open_rollout(rollout_id);
+        Ok(())
+    }
+
+    /// Open a rollout with its own upstream, key or model ([`RolloutOptions`]):
+    /// its calls go to `{upstream}{path without /v1}` with its key, and carry
+    /// its model.  `GET /v1/models` names that model.
+    ///
+    /// # Errors
+    /// As [`RolloutTable::register`], and [`RegisterError::Config`] for an
+    /// upstream URL or key the plane could not start with.
+    pub fn register_with(&self, rollout_id: &str, secret: &str, options: &RolloutOptions) -> Result<(), RegisterError> {
+        let target = self.shared.upstream.target(options.upstream.as_deref(), options.api_key.as_deref())?;
+        self.shared.rollouts.register_with(rollout_id, secret, target, options.model.as_deref())?;
         self.shared.table.open_rollout(rollout_id);
         Ok(())
     }
@@ -330,6 +364,22 @@ impl DataPlane {
             rt.shutdown_background();
         }
     }
+}
+
+/// `rewrites` by protocol id, empty rule sets dropped.
+fn rewrites_by_id(
+    protocols: &ProtocolTable,
+    mut rewrites: HashMap<String, Rewrites>,
+) -> Result<Vec<Option<Rewrites>>, ConfigError> {
+    let mut out = Vec::with_capacity(protocols.len());
+    for id in 0..protocols.len() {
+        let name = protocols.get(id as u16).map(|s| s.name.as_str()).unwrap_or_default();
+        out.push(rewrites.remove(name).filter(|r| !r.is_empty()));
+    }
+    if let Some(name) = rewrites.keys().next() {
+        return Err(ConfigError::Rewrite(format!("no protocol {name:?}")));
+    }
+    Ok(out)
 }
 
 impl Drop for DataPlane {

@@ -237,6 +237,10 @@ pub struct ParsedRequest {
     /// upstream judges them, and Python's `Protocol.tools` ignores what is
     /// not a list.
     pub tools: Option<String>,
+    /// Each top-level key (decoded; the last of duplicates) with its value's
+    /// byte range in the body, for splicing rewrites; filled only by
+    /// [`ProtocolSpec::parse_keeping_spans`] (empty otherwise).
+    pub spans: Vec<(String, Range<usize>)>,
 }
 
 /// A request refused with 400; the text names the problem.
@@ -319,6 +323,19 @@ impl ProtocolSpec {
     /// object, a missing or mistyped field, an empty messages list, a message
     /// that is not an object or has a role the protocol does not know.
     pub fn parse(&self, body: &[u8]) -> Result<ParsedRequest, BadRequest> {
+        self.parse_inner(body, false)
+    }
+
+    /// [`ProtocolSpec::parse`], also keeping [`ParsedRequest::spans`] (for
+    /// a call whose body may be rewritten).
+    ///
+    /// # Errors
+    /// As [`ProtocolSpec::parse`].
+    pub fn parse_keeping_spans(&self, body: &[u8]) -> Result<ParsedRequest, BadRequest> {
+        self.parse_inner(body, true)
+    }
+
+    fn parse_inner(&self, body: &[u8], keep_spans: bool) -> Result<ParsedRequest, BadRequest> {
         if nests_deeper_than(body, MAX_JSON_DEPTH) {
             return bad(format!("JSON nests deeper than {MAX_JSON_DEPTH} levels"));
         }
@@ -355,10 +372,11 @@ impl ProtocolSpec {
             let start = raw.get().as_ptr() as usize - text.as_ptr() as usize;
             start..start + raw.get().len()
         };
+        let spans = if keep_spans { top.iter().map(|(k, v)| (k.to_string(), offset(v))).collect() } else { Vec::new() };
         let Some(list) = present(&top, key) else { return bad(format!("missing field '{key}'")) };
         let raw = list.get();
         if raw.starts_with('"') && self.messages.allow_string {
-            return Ok(ParsedRequest { model, stream, messages: vec![offset(list)], tools });
+            return Ok(ParsedRequest { model, stream, messages: vec![offset(list)], tools, spans });
         }
         let shape = if self.messages.allow_string { "a string or a non-empty list" } else { "a non-empty list" };
         if !raw.starts_with('[') {
@@ -382,7 +400,7 @@ impl ProtocolSpec {
             }
             messages.push(offset(item));
         }
-        Ok(ParsedRequest { model, stream, messages, tools })
+        Ok(ParsedRequest { model, stream, messages, tools, spans })
     }
 
     /// The request's tool fields as one JSON object (see [`ParsedRequest::tools`]).

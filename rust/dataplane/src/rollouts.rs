@@ -15,6 +15,7 @@ use crate::divergence::{diverge, Divergence, MessageKey};
 use crate::error::RegisterError;
 use crate::lifecycle::Calls;
 use crate::sync::{lock, Mutex};
+use crate::upstream::Target;
 
 type Map<K, V> = papaya::HashMap<K, V, foldhash::fast::RandomState>;
 
@@ -36,6 +37,10 @@ pub struct Rollout {
     pub(crate) calls: Calls<oneshot::Sender<()>>,
     /// Keys of the previous request's messages.
     pub(crate) history: Mutex<Vec<MessageKey>>,
+    /// The rollout's own upstream and key (`None`: the plane's).
+    pub(crate) upstream: Option<Arc<Target>>,
+    /// The model sent upstream in place of the agent's (`None`: the agent's).
+    pub(crate) model: Option<Box<str>>,
 }
 
 impl std::fmt::Debug for Rollout {
@@ -93,6 +98,18 @@ impl RolloutTable {
     /// [`RegisterError::DuplicateSecret`] if another open rollout has the
     /// secret, [`RegisterError::Empty`] for an empty id or secret.
     pub fn register(&self, rollout_id: &str, secret: &str) -> Result<(), RegisterError> {
+        self.register_with(rollout_id, secret, None, None)
+    }
+
+    /// [`RolloutTable::register`] with the rollout's own upstream target and
+    /// model override.
+    pub(crate) fn register_with(
+        &self,
+        rollout_id: &str,
+        secret: &str,
+        upstream: Option<Arc<Target>>,
+        model: Option<&str>,
+    ) -> Result<(), RegisterError> {
         if rollout_id.is_empty() || secret.is_empty() {
             return Err(RegisterError::Empty);
         }
@@ -101,6 +118,8 @@ impl RolloutTable {
             secret: secret.into(),
             calls: Calls::new(),
             history: Mutex::new(Vec::new()),
+            upstream,
+            model: model.map(Into::into),
         });
         if self.by_id.pin().try_insert(Arc::clone(&rollout.id), Arc::clone(&rollout)).is_err() {
             return Err(RegisterError::DuplicateRollout(rollout_id.into()));

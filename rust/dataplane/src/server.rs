@@ -33,6 +33,7 @@ use crate::held::Held;
 use crate::lifecycle::{CallId, Cancelled};
 use crate::protocol::{error_body, ErrorFlavour, ParsedRequest, ProtocolId, ProtocolSpec, ProtocolTable};
 use crate::queue::{CompletionQueue, RequestDelta, Timings, TurnRecord};
+use crate::rewrite::Rewrites;
 use crate::rollouts::{Rollout, RolloutTable};
 use crate::sse::{Fed, SseSplitter};
 use crate::upstream::{error_chain, Answer, Upstream};
@@ -79,6 +80,8 @@ pub(crate) struct Shared {
     pub(crate) max_response_bytes: usize,
     pub(crate) body_read_timeout: Duration,
     pub(crate) hold_for_ack: bool,
+    /// Request rewrites by protocol id (`None`: forward the agent's bytes).
+    pub(crate) rewrites: Vec<Option<Rewrites>>,
     pub(crate) counters: Counters,
 }
 
@@ -132,21 +135,21 @@ pub(crate) async fn accept_loop(sh: Arc<Shared>, listener: TcpListener, mut stop
     }
 }
 
-fn respond(status: u16, content_type: &'static str, body: impl Into<Bytes>) -> Response<ResBody> {
+pub(crate) fn respond(status: u16, content_type: &'static str, body: impl Into<Bytes>) -> Response<ResBody> {
     let mut r = Response::new(ResBody::full(body));
     *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
     r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     r
 }
 
-fn error(flavour: ErrorFlavour, status: u16, reason: &str) -> Response<ResBody> {
+pub(crate) fn error(flavour: ErrorFlavour, status: u16, reason: &str) -> Response<ResBody> {
     respond(status, "application/json", error_body(flavour, status, reason))
 }
 
 /// An answer given before the body was read: the client may still be
 /// sending it, so the connection is not reused (a client that reused it got
 /// "disconnected without sending a response").
-fn closing(mut r: Response<ResBody>) -> Response<ResBody> {
+pub(crate) fn closing(mut r: Response<ResBody>) -> Response<ResBody> {
     r.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
     r
 }
@@ -157,7 +160,7 @@ fn bearer(value: &str) -> Option<&str> {
 }
 
 /// The open rollout the request's secret belongs to.
-fn authenticate(table: &RolloutTable, headers: &HeaderMap) -> Result<Arc<Rollout>, &'static str> {
+pub(crate) fn authenticate(table: &RolloutTable, headers: &HeaderMap) -> Result<Arc<Rollout>, &'static str> {
     let auth = headers.get_all(http::header::AUTHORIZATION).iter().filter_map(|v| bearer(v.to_str().ok()?));
     let api = headers.get_all("x-api-key").iter().filter_map(|v| Some(v.to_str().ok()?.trim()));
     let mut found: Option<Arc<Rollout>> = None;
@@ -200,6 +203,9 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
     let active = Gauge::new(&sh, |c| &c.active_calls);
     let start = Instant::now();
     let started_s = now_unix_s();
+    if req.uri().path() == crate::models::PATH {
+        return crate::models::answer(&sh, &req);
+    }
     let Some((pid, spec)) = sh.protocols.route(req.uri().path()) else {
         return closing(error(ErrorFlavour::OpenAi, 404, &format!("no route {}", req.uri().path())));
     };
@@ -244,7 +250,10 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
             return closing(error(spec.flavour, 408, &why));
         }
     };
-    let parsed = match spec.parse(&body) {
+    let rules = sh.rewrites.get(usize::from(pid)).and_then(Option::as_ref);
+    let rewriting = rules.is_some() || rollout.model.is_some();
+    let parsed = if rewriting { spec.parse_keeping_spans(&body) } else { spec.parse(&body) };
+    let parsed = match parsed {
         Ok(p) => p,
         Err(bad) => {
             bump(&sh.counters.refused);
@@ -289,6 +298,9 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
     // dropped and the upstream request shares the table's copy.
     let body = held.bytes();
     let delta = delta(&sh, &rollout, &body, &parsed);
+    // After the delta: the turn shows the agent's messages, the upstream gets the rewrite.
+    let body = crate::rewrite::forward(&body, &parsed.spans, rollout.model.as_deref(), rules);
+    let model = rollout.model.as_deref().map_or(parsed.model, String::from);
     let call = Call {
         sh: Arc::clone(&sh),
         rollout,
@@ -296,7 +308,7 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
         armed: true,
         spec,
         protocol: pid,
-        model: parsed.model,
+        model,
         streamed: parsed.stream,
         delta: Some(delta),
         tools: parsed.tools.map(Bytes::from),
@@ -367,7 +379,7 @@ impl Call {
         let answer = tokio::select! {
             biased;
             _ = &mut cancel => return self.closed(),
-            a = sh.upstream.post(&self.spec.path, body, &extra) => a,
+            a = sh.upstream.post(self.rollout.upstream.as_deref(), &self.spec.path, body, &extra) => a,
         };
         let upstream_s = self.start.elapsed().as_secs_f64();
         let answer = match answer {

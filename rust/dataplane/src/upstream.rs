@@ -58,8 +58,9 @@ pub(crate) struct Answer {
 
 pub(crate) struct Upstream {
     client: Client<Connector, Full<Bytes>>,
-    base: String,
-    headers: HeaderMap,
+    default: Target,
+    default_url: String,
+    default_key: Option<String>,
     limiter: Arc<Semaphore>,
     retries: u32,
     backoff: Duration,
@@ -69,18 +70,57 @@ pub(crate) struct Upstream {
     counter: std::sync::atomic::AtomicU64,
 }
 
+/// Where a call goes: a base URL and the headers carrying its key.  The
+/// plane's own, or a rollout's (`register` with an upstream or key); the
+/// client pools connections per origin, so any number share it.
+#[derive(Debug)]
+pub(crate) struct Target {
+    base: String,
+    headers: HeaderMap,
+}
+
+/// `url` checked as an upstream base URL: http, or https with the `tls` feature.
+fn check_url(url: &str) -> Result<(), ConfigError> {
+    let uri: http::Uri = url.parse().map_err(|e| ConfigError::Upstream(format!("{e}")))?;
+    if uri.authority().is_none() {
+        return Err(ConfigError::Upstream("no host".into()));
+    }
+    match uri.scheme_str() {
+        Some("http") => Ok(()),
+        Some("https") if cfg!(feature = "tls") => Ok(()),
+        Some("https") => Err(ConfigError::HttpsNeedsTls),
+        _ => Err(ConfigError::Upstream("the scheme must be http or https".into())),
+    }
+}
+
+impl Target {
+    fn new(url: &str, key: Option<&str>) -> Result<Self, ConfigError> {
+        check_url(url)?;
+        let mut headers = HeaderMap::new();
+        headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        // Relayed bytes are recorded as they are: ask for no content-encoding.
+        headers.insert(http::header::ACCEPT_ENCODING, HeaderValue::from_static("identity"));
+        if let Some(key) = key {
+            let bearer = HeaderValue::from_str(&format!("Bearer {key}"))
+                .map_err(|_| ConfigError::Upstream("the upstream key must be visible ASCII".into()))?;
+            let plain = HeaderValue::from_str(key)
+                .map_err(|_| ConfigError::Upstream("the upstream key must be visible ASCII".into()))?;
+            headers.insert(http::header::AUTHORIZATION, bearer);
+            headers.insert("x-api-key", plain);
+        }
+        Ok(Target { base: url.trim_end_matches('/').to_string(), headers })
+    }
+
+    /// The upstream URL of an interception path (`/v1/chat/completions` ->
+    /// `{base}/chat/completions`, as the Python client joins them).
+    fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path.strip_prefix("/v1").unwrap_or(path))
+    }
+}
+
 impl Upstream {
     pub(crate) fn new(config: &Config) -> Result<Self, ConfigError> {
-        let uri: http::Uri = config.upstream.parse().map_err(|e| ConfigError::Upstream(format!("{e}")))?;
-        if uri.authority().is_none() {
-            return Err(ConfigError::Upstream("no host".into()));
-        }
-        match uri.scheme_str() {
-            Some("http") => {}
-            Some("https") if cfg!(feature = "tls") => {}
-            Some("https") => return Err(ConfigError::HttpsNeedsTls),
-            _ => return Err(ConfigError::Upstream("the scheme must be http or https".into())),
-        }
+        let default = Target::new(&config.upstream, config.upstream_key.as_deref())?;
         if config.max_concurrency == 0 {
             return Err(ConfigError::Limit("max_concurrency"));
         }
@@ -102,22 +142,11 @@ impl Upstream {
             .pool_idle_timeout(config.pool_idle_timeout)
             .pool_timer(TokioTimer::new())
             .build(http);
-        let mut headers = HeaderMap::new();
-        headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        // Relayed bytes are recorded as they are: ask for no content-encoding.
-        headers.insert(http::header::ACCEPT_ENCODING, HeaderValue::from_static("identity"));
-        if let Some(key) = &config.upstream_key {
-            let bearer = HeaderValue::from_str(&format!("Bearer {key}"))
-                .map_err(|_| ConfigError::Upstream("the upstream key must be visible ASCII".into()))?;
-            let plain = HeaderValue::from_str(key)
-                .map_err(|_| ConfigError::Upstream("the upstream key must be visible ASCII".into()))?;
-            headers.insert(http::header::AUTHORIZATION, bearer);
-            headers.insert("x-api-key", plain);
-        }
         Ok(Upstream {
             client,
-            base: config.upstream.trim_end_matches('/').to_string(),
-            headers,
+            default,
+            default_url: config.upstream.clone(),
+            default_key: config.upstream_key.clone(),
             limiter: Arc::new(Semaphore::new(config.max_concurrency)),
             retries: config.retries,
             backoff: config.backoff,
@@ -128,17 +157,33 @@ impl Upstream {
         })
     }
 
-    /// The upstream URL of an interception path (`/v1/chat/completions` ->
-    /// `{base}/chat/completions`, as the Python client joins them).
-    fn url(&self, path: &str) -> String {
-        format!("{}{}", self.base, path.strip_prefix("/v1").unwrap_or(path))
+    /// A rollout's target: `url` (default: the plane's upstream) with `key`
+    /// (default: the plane's key); `None` when both are the plane's.
+    ///
+    /// # Errors
+    /// As at start: a bad URL, https without `tls`, a key that is not visible ASCII.
+    pub(crate) fn target(&self, url: Option<&str>, key: Option<&str>) -> Result<Option<Arc<Target>>, ConfigError> {
+        if url.is_none() && key.is_none() {
+            return Ok(None);
+        }
+        let url = url.unwrap_or(&self.default_url);
+        let key = key.or(self.default_key.as_deref());
+        Target::new(url, key).map(|t| Some(Arc::new(t)))
     }
 
-    /// POST `body` to `path` with `extra` headers; connect errors, 429 and
-    /// 5xx are retried up to `retries` times; the last attempt's answer is
-    /// returned whatever its status.  Dropping the future aborts the call.
-    pub(crate) async fn post(&self, path: &str, body: Bytes, extra: &HeaderMap) -> Result<Answer, UpstreamError> {
-        let url = self.url(path);
+    /// POST `body` to `path` of `target` (`None`: the plane's upstream) with
+    /// `extra` headers; connect errors, 429 and 5xx are retried up to
+    /// `retries` times; the last attempt's answer is returned whatever its
+    /// status.  Dropping the future aborts the call.
+    pub(crate) async fn post(
+        &self,
+        target: Option<&Target>,
+        path: &str,
+        body: Bytes,
+        extra: &HeaderMap,
+    ) -> Result<Answer, UpstreamError> {
+        let target = target.unwrap_or(&self.default);
+        let url = target.url(path);
         let mut attempt = 0u32;
         loop {
             let permit = Arc::clone(&self.limiter).acquire_owned().await.expect("the limiter is never closed");
@@ -148,7 +193,7 @@ impl Upstream {
                 .body(Full::new(body.clone()))
                 .map_err(|e| UpstreamError::Failed(e.to_string()))?;
             let headers = req.headers_mut();
-            headers.extend(self.headers.iter().map(|(k, v)| (k.clone(), v.clone())));
+            headers.extend(target.headers.iter().map(|(k, v)| (k.clone(), v.clone())));
             headers.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
             let delay = match tokio::time::timeout(self.timeout, self.client.request(req)).await {
                 Err(_) => return Err(UpstreamError::Timeout),

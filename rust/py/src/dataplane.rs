@@ -6,15 +6,16 @@
 //! never take the GIL, but the Trio loop that serves the control plane (and,
 //! in tests, the upstream) must keep running meanwhile.
 
+use std::collections::HashMap;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
 use lowwater_core::InterceptTable as CoreTable;
-use lowwater_dataplane::{Config, DataPlane as Plane, ProtocolTable, RegisterError, StartError};
-use pyo3::exceptions::{PyKeyError, PyOSError, PyValueError};
+use lowwater_dataplane::{Config, DataPlane as Plane, ProtocolTable, RegisterError, Rewrites, RolloutOptions, StartError};
+use pyo3::exceptions::{PyKeyError, PyOSError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyMapping, PyTuple};
 
 use crate::errors::{guarded, DataPlaneClosed, DataPlaneConfigError, DuplicateRollout, DuplicateSecret};
 use crate::intercept::InterceptTable;
@@ -44,7 +45,47 @@ fn register_error(err: RegisterError) -> PyErr {
         RegisterError::DuplicateRollout(_) => DuplicateRollout::new_err(msg),
         RegisterError::DuplicateSecret => DuplicateSecret::new_err(msg),
         RegisterError::Empty => PyValueError::new_err(msg),
+        RegisterError::Config(_) => DataPlaneConfigError::new_err(msg),
     }
+}
+
+/// A mapping's items, in its order (rules apply in the order given).
+fn items<'py>(what: &str, obj: &Bound<'py, PyAny>) -> PyResult<Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)>> {
+    let m = obj.cast::<PyMapping>().map_err(|_| PyTypeError::new_err(format!("{what} must be a mapping")))?;
+    m.items()?.iter().map(|kv| kv.extract()).collect()
+}
+
+/// `{protocol: {"set": {key: json}, "defaults": {key: (json, aliases)},
+/// "append": {key: json}}}` as the crate's rewrites.
+fn rewrites(obj: Option<&Bound<'_, PyAny>>) -> PyResult<HashMap<String, Rewrites>> {
+    let mut out = HashMap::new();
+    let Some(obj) = obj else { return Ok(out) };
+    for (name, sections) in items("rewrites", obj)? {
+        let name: String = name.extract()?;
+        let mut rules = Rewrites::new();
+        for (section, entries) in items(&format!("rewrites[{name:?}]"), &sections)? {
+            let section: String = section.extract()?;
+            for (key, value) in items(&format!("rewrites[{name:?}][{section:?}]"), &entries)? {
+                let key: String = key.extract()?;
+                let added = match section.as_str() {
+                    "set" => rules.set(&key, &value.extract::<String>()?).map(drop),
+                    "append" => rules.append(&key, &value.extract::<String>()?).map(drop),
+                    "defaults" => {
+                        let (json, aliases): (String, Vec<String>) = value.extract()?;
+                        let aliases: Vec<&str> = aliases.iter().map(String::as_str).collect();
+                        rules.defaults(&key, &json, &aliases).map(drop)
+                    }
+                    other => {
+                        let why = format!("rewrites[{name:?}]: unknown rule kind {other:?} (set, defaults, append)");
+                        return Err(DataPlaneConfigError::new_err(why));
+                    }
+                };
+                added.map_err(|e| DataPlaneConfigError::new_err(e.to_string()))?;
+            }
+        }
+        out.insert(name, rules);
+    }
+    Ok(out)
 }
 
 /// One recorded model call, as drained from the data plane.
@@ -141,6 +182,7 @@ impl DataPlane {
         worker_threads = 2,
         table = None,
         protocols = None,
+        rewrites = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -162,9 +204,11 @@ impl DataPlane {
         worker_threads: usize,
         table: Option<Py<InterceptTable>>,
         protocols: Option<Vec<WireSpec>>,
+        rewrites: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         guarded(|| {
             let mut config = Config::new(upstream);
+            config.rewrites = self::rewrites(rewrites)?;
             config.upstream_key = api_key;
             config.max_body_bytes = max_body_bytes;
             config.max_response_bytes = max_response_bytes;
@@ -228,8 +272,17 @@ impl DataPlane {
         self.plane.read().unwrap_or_else(PoisonError::into_inner).is_none()
     }
 
-    fn register(&self, rollout_id: &str, secret: &str) -> PyResult<()> {
-        self.with(|p| p.register(rollout_id, secret).map_err(register_error))
+    #[pyo3(signature = (rollout_id, secret, *, upstream = None, api_key = None, model = None))]
+    fn register(
+        &self,
+        rollout_id: &str,
+        secret: &str,
+        upstream: Option<String>,
+        api_key: Option<String>,
+        model: Option<String>,
+    ) -> PyResult<()> {
+        let options = RolloutOptions { upstream, api_key, model };
+        self.with(|p| p.register_with(rollout_id, secret, &options).map_err(register_error))
     }
 
     fn unregister(&self, rollout_id: &str) -> PyResult<usize> {

@@ -1,0 +1,109 @@
+//! Protocol descriptors between Python and the data plane: a Python
+//! `Protocol.data_plane_spec()` dict to a [`ProtocolSpec`], and back (for
+//! `DataPlane.protocols`, so a test can check that the Python declarations
+//! of the built-in protocols are the crate's built-in table).
+
+use lowwater_dataplane::protocol::{ErrorFlavour, FieldKind, FieldRule, MessagesRule, Terminal};
+use lowwater_dataplane::ProtocolSpec;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use crate::errors::DataPlaneConfigError;
+
+/// `Protocol.data_plane_spec()`, item by item.
+#[derive(FromPyObject)]
+#[pyo3(from_item_all)]
+pub(crate) struct WireSpec {
+    name: String,
+    path: String,
+    flavour: String,
+    messages: String,
+    string_input: bool,
+    roles: Vec<String>,
+    fields: Vec<(String, String, bool)>,
+    tools: Vec<String>,
+    terminal_data: Option<String>,
+    terminal_types: Vec<String>,
+}
+
+fn bad(name: &str, why: String) -> PyErr {
+    DataPlaneConfigError::new_err(format!("protocol {name:?}: {why}"))
+}
+
+impl WireSpec {
+    /// The crate's descriptor; `DataPlaneConfigError` for an unknown flavour
+    /// or field kind, or not exactly one terminal rule.
+    pub(crate) fn into_spec(self) -> PyResult<ProtocolSpec> {
+        let flavour = match self.flavour.as_str() {
+            "openai" => ErrorFlavour::OpenAi,
+            "anthropic" => ErrorFlavour::Anthropic,
+            other => return Err(bad(&self.name, format!("unknown error flavour {other:?}"))),
+        };
+        let terminal = match (self.terminal_data, self.terminal_types.is_empty()) {
+            (Some(data), true) => Terminal::Data(data),
+            (None, false) => Terminal::Types(self.terminal_types),
+            _ => return Err(bad(&self.name, "give exactly one of terminal_data and terminal_types".into())),
+        };
+        let fields = self
+            .fields
+            .into_iter()
+            .map(|(name, kind, required)| {
+                let kind = match kind.as_str() {
+                    "string" => FieldKind::String,
+                    "positive_integer" => FieldKind::PositiveInteger,
+                    "string_or_array" => FieldKind::StringOrArray,
+                    other => return Err(bad(&self.name, format!("field {name:?}: unknown kind {other:?}"))),
+                };
+                Ok(FieldRule { name, kind, required })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(ProtocolSpec {
+            name: self.name,
+            path: self.path,
+            flavour,
+            terminal,
+            messages: MessagesRule { key: self.messages, allow_string: self.string_input, roles: self.roles },
+            fields,
+            tools: self.tools,
+        })
+    }
+}
+
+/// A descriptor as the dict `Protocol.data_plane_spec()` gives (tuples for
+/// its sequences).
+pub(crate) fn spec_dict<'py>(py: Python<'py>, spec: &ProtocolSpec) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("name", &spec.name)?;
+    d.set_item("path", &spec.path)?;
+    d.set_item(
+        "flavour",
+        match spec.flavour {
+            ErrorFlavour::OpenAi => "openai",
+            ErrorFlavour::Anthropic => "anthropic",
+        },
+    )?;
+    d.set_item("messages", &spec.messages.key)?;
+    d.set_item("string_input", spec.messages.allow_string)?;
+    d.set_item("roles", PyTuple::new(py, &spec.messages.roles)?)?;
+    let fields = spec.fields.iter().map(|f| {
+        let kind = match f.kind {
+            FieldKind::String => "string",
+            FieldKind::PositiveInteger => "positive_integer",
+            FieldKind::StringOrArray => "string_or_array",
+        };
+        (f.name.as_str(), kind, f.required)
+    });
+    d.set_item("fields", PyTuple::new(py, fields)?)?;
+    d.set_item("tools", PyTuple::new(py, &spec.tools)?)?;
+    match &spec.terminal {
+        Terminal::Data(data) => {
+            d.set_item("terminal_data", data)?;
+            d.set_item("terminal_types", PyTuple::empty(py))?;
+        }
+        Terminal::Types(types) => {
+            d.set_item("terminal_data", py.None())?;
+            d.set_item("terminal_types", PyTuple::new(py, types)?)?;
+        }
+    }
+    Ok(d)
+}
