@@ -514,7 +514,9 @@ class DataPlane:
         ``active_calls``, ``connections``, ``queued``, ``awaiting_ack`` (now),
         and the counters since start ``calls``, ``ok``, ``failed``,
         ``closed``, ``disconnected``, ``refused``; ``intercepts`` and
-        ``intercept_bytes``: request bodies held in :attr:`table` now.
+        ``intercept_bytes``: request bodies held in :attr:`table` now;
+        ``upstream_requests`` and ``upstream_retried``: attempts sent
+        upstream since start, and of those the retries.
 
         Raises:
             DataPlaneClosed: after :meth:`close`.

@@ -201,8 +201,9 @@ class InterceptionServer:
             self._last_stats = plane.stats()
             self.url = ""
             self.plane = None
-            for slot in list(self.slots):
-                slot.closed = True
+            for rollout_id in list(self.slots):
+                if (slot := self.slots.get(rollout_id)) is not None:
+                    slot.closed = True  # its calls ended with the plane
             self._intercepted.clear()
             # Shielded: a cancelled run must still join the plane's threads.
             with trio.CancelScope(shield=True):
@@ -229,10 +230,18 @@ class InterceptionServer:
             table=self.table,
             protocols=[p.data_plane_spec() for p in self.routes.values()],
             rewrites=self._rewrites(),
-            intercept=self.interceptors is not None and bool(self.interceptors.requests),
-            python_routes=[prefix for prefix, _ in self._mounts],
+            **self._upcall_options(),
             **options,
         )
+
+    def _upcall_options(self) -> dict[str, Any]:
+        """What the plane hands to Python: calls for the request hooks, mounted routes."""
+        options: dict[str, Any] = {}
+        if self.interceptors is not None and self.interceptors.requests:
+            options["intercept"] = True
+        if self._mounts:
+            options["python_routes"] = [prefix for prefix, _ in self._mounts]
+        return options
 
     def _rewrites(self) -> dict[str, dict[str, dict[str, Any]]]:
         """Per protocol: the logprob fields and the run's sampling arguments,

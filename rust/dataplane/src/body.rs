@@ -1,6 +1,5 @@
 //! Request bodies in, response bodies out.
 
-use std::convert::Infallible;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -70,12 +69,40 @@ pub(crate) async fn drain(mut body: Incoming, limit: usize, deadline: Instant) {
     }
 }
 
+/// One step of a relayed stream.
+#[derive(Debug)]
+pub(crate) enum Relay {
+    /// Bytes to send.
+    Data(Bytes),
+    /// End the response without its terminating chunk: hyper closes the
+    /// connection mid-body, which every HTTP client reports as an error.  A
+    /// stream that was cut (or whose rollout closed) must never end like a
+    /// complete one: an agent reading raw SSE would take the partial answer
+    /// for a whole one (the SDKs raise on the error event sent before).
+    Break,
+}
+
+/// Why a relayed stream ended early (the body's error: hyper aborts the
+/// connection on it).
+#[derive(Debug)]
+pub(crate) struct Broken;
+
+impl std::fmt::Display for Broken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the relayed stream was broken off")
+    }
+}
+
+impl std::error::Error for Broken {}
+
 /// A response body: whole, or relayed from a channel as chunks arrive.
 pub(crate) enum ResBody {
     /// A whole body (sent with its `content-length`).
     Full(Option<Bytes>),
-    /// Chunks as the relay task sends them; the stream ends when it drops the sender.
-    Stream(mpsc::Receiver<Bytes>),
+    /// Chunks as the relay task sends them; the stream ends when it drops
+    /// the sender, or is broken off by a [`Relay::Break`] (the flag: the
+    /// break was seen and is due on the next poll).
+    Stream(mpsc::Receiver<Relay>, bool),
 }
 
 impl ResBody {
@@ -86,12 +113,26 @@ impl ResBody {
 
 impl Body for ResBody {
     type Data = Bytes;
-    type Error = Infallible;
+    type Error = Broken;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Broken>>> {
         match self.get_mut() {
             ResBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
-            ResBody::Stream(rx) => rx.poll_recv(cx).map(|c| c.map(|b| Ok(Frame::data(b)))),
+            ResBody::Stream(_, true) => Poll::Ready(Some(Err(Broken))),
+            ResBody::Stream(rx, breaking) => match rx.poll_recv(cx) {
+                Poll::Ready(Some(Relay::Data(b))) => Poll::Ready(Some(Ok(Frame::data(b)))),
+                Poll::Ready(Some(Relay::Break)) => {
+                    // Pending once first: hyper's connection loop then flushes
+                    // what it has buffered (the error event just relayed)
+                    // before it polls again and aborts on the error; an error
+                    // in the same poll dropped the buffered event unsent.
+                    *breaking = true;
+                    cx.waker().wake_by_ref();
+                    Poll::Pending
+                }
+                Poll::Ready(None) => Poll::Ready(None),
+                Poll::Pending => Poll::Pending,
+            },
         }
     }
 
@@ -103,7 +144,7 @@ impl Body for ResBody {
         match self {
             ResBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
             ResBody::Full(None) => SizeHint::with_exact(0),
-            ResBody::Stream(_) => SizeHint::default(),
+            ResBody::Stream(..) => SizeHint::default(),
         }
     }
 }

@@ -182,6 +182,10 @@ pub struct Stats {
     pub intercepts: usize,
     /// Their bytes.
     pub intercept_bytes: u64,
+    /// Upstream attempts sent (retries included) since start.
+    pub upstream_requests: u64,
+    /// Of those, retries (after a connect error, 429 or 5xx).
+    pub upstream_retried: u64,
 }
 
 /// A running data plane: its own tokio runtime, listener and tables.
@@ -332,6 +336,8 @@ impl DataPlane {
             refused: get(&c.refused),
             intercepts: sh.table.len(),
             intercept_bytes: sh.table.stats().bytes,
+            upstream_requests: get(&sh.upstream.requests),
+            upstream_retried: get(&sh.upstream.retried),
         }
     }
 

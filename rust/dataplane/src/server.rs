@@ -27,7 +27,7 @@ use lowwater_core::{InterceptTable, TableError};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::body::{read_limited, BodyError, ResBody};
+use crate::body::{read_limited, BodyError, Relay, ResBody};
 use crate::divergence::MessageHasher;
 use crate::held::Held;
 use crate::lifecycle::{CallId, Cancelled};
@@ -403,7 +403,7 @@ impl Call {
             .is_some_and(|v| v.trim_start().get(..17).is_some_and(|t| t.eq_ignore_ascii_case("text/event-stream")));
         if self.streamed && status.is_success() && is_sse {
             let (tx, rx) = mpsc::channel(RELAY_DEPTH);
-            let mut r = Response::new(ResBody::Stream(rx));
+            let mut r = Response::new(ResBody::Stream(rx, false));
             *r.status_mut() = status;
             r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
             r.headers_mut().insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
@@ -487,7 +487,7 @@ impl Call {
         mut self,
         answer: Answer,
         mut cancel: oneshot::Receiver<()>,
-        tx: mpsc::Sender<Bytes>,
+        tx: mpsc::Sender<Relay>,
         upstream_s: f64,
     ) {
         let status = answer.response.status().as_u16();
@@ -524,7 +524,7 @@ impl Call {
                 let sent = tokio::select! {
                     biased;
                     _ = &mut cancel => return self.stream_closed(&tx).await,
-                    s = tx.send(fed.relay) => s,
+                    s = tx.send(Relay::Data(fed.relay)) => s,
                 };
                 if sent.is_err() {
                     bump(&self.sh.counters.disconnected);
@@ -565,15 +565,19 @@ impl Call {
                 out.freeze()
             }
         };
-        let _ = tokio::time::timeout(SEND_TIMEOUT, tx.send(out)).await;
+        let sent = tokio::time::timeout(SEND_TIMEOUT, tx.send(Relay::Data(out))).await;
+        if error.is_some() && matches!(sent, Ok(Ok(()))) {
+            let _ = tx.send(Relay::Break).await;
+        }
     }
 
-    /// The rollout closed under a stream: an error event, then the end.
-    async fn stream_closed(&mut self, tx: &mpsc::Sender<Bytes>) {
+    /// The rollout closed under a stream: an error event, then the connection is broken off.
+    async fn stream_closed(&mut self, tx: &mpsc::Sender<Relay>) {
         self.armed = false;
         bump(&self.sh.counters.closed);
         let event = self.spec.error_event(&format!("rollout {} was closed", self.rollout.id));
-        let _ = tokio::time::timeout(SEND_TIMEOUT, tx.send(event.into())).await;
+        let _ = tokio::time::timeout(SEND_TIMEOUT, tx.send(Relay::Data(event.into()))).await;
+        let _ = tx.send(Relay::Break).await;
     }
 }
 

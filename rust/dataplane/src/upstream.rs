@@ -68,6 +68,9 @@ pub(crate) struct Upstream {
     pub(crate) timeout: Duration,
     jitter: foldhash::fast::RandomState,
     counter: std::sync::atomic::AtomicU64,
+    /// Attempts sent, and of those the retries (since start).
+    pub(crate) requests: std::sync::atomic::AtomicU64,
+    pub(crate) retried: std::sync::atomic::AtomicU64,
 }
 
 /// Where a call goes: a base URL and the headers carrying its key.  The
@@ -154,6 +157,8 @@ impl Upstream {
             timeout: config.upstream_timeout,
             jitter: foldhash::fast::RandomState::default(),
             counter: std::sync::atomic::AtomicU64::new(0),
+            requests: std::sync::atomic::AtomicU64::new(0),
+            retried: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -192,6 +197,10 @@ impl Upstream {
                 .uri(&url)
                 .body(Full::new(body.clone()))
                 .map_err(|e| UpstreamError::Failed(e.to_string()))?;
+            self.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if attempt > 0 {
+                self.retried.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
             let headers = req.headers_mut();
             headers.extend(target.headers.iter().map(|(k, v)| (k.clone(), v.clone())));
             headers.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));

@@ -358,6 +358,8 @@ impl DataPlane {
         d.set_item("refused", s.refused)?;
         d.set_item("intercepts", s.intercepts)?;
         d.set_item("intercept_bytes", s.intercept_bytes)?;
+        d.set_item("upstream_requests", s.upstream_requests)?;
+        d.set_item("upstream_retried", s.upstream_retried)?;
         Ok(d)
     }
 
