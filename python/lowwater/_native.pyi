@@ -503,6 +503,17 @@ class DataPlane:
         Raises:
             DataPlaneClosed: after :meth:`close`.
         """
+    def fail(self, seq: int, status: int, reason: str) -> bool:
+        """Release record ``seq``'s call with an error instead of its held
+        bytes (its protocol could not read the answer): a whole answer is
+        replaced by ``status`` with ``reason`` in the protocol's error body,
+        a stream gets an error event with ``reason`` instead of its terminal
+        event and is broken off.  False as for :meth:`ack`.
+
+        Raises:
+            ValueError: ``status`` outside 400-599.
+            DataPlaneClosed: after :meth:`close`.
+        """
     def release_all(self) -> int:
         """Release every held call; returns how many were held.
 

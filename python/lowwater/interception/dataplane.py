@@ -19,6 +19,7 @@ import inspect
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+import attrs
 import orjson
 import trio
 
@@ -28,10 +29,25 @@ from lowwater.interception.sse import SSEParser
 from lowwater.redact import redact_url
 from lowwater.trajectory import Trajectory, Turn
 
-__all__ = ["serve_records", "turn_of"]
+__all__ = ["Fail", "read_record", "serve_records", "turn_of"]
 
 
-async def serve_records(plane: DataPlane, on_record: Callable[[TurnRecord], Awaitable[None] | None]) -> None:
+@attrs.frozen
+class Fail:
+    """A record's verdict: release its call with this error, not its answer.
+
+    Attributes:
+        status: for a whole answer, the status the agent gets (400-599).
+        reason: what the agent reads (a stream: in its error event).
+    """
+
+    status: int
+    reason: str
+
+
+async def serve_records(
+    plane: DataPlane, on_record: Callable[[TurnRecord], Awaitable[Fail | None] | Fail | None]
+) -> None:
     """Drain ``plane``'s records into ``on_record`` and ack each, until cancelled.
 
     Waits with :func:`trio.lowlevel.wait_readable` on the plane's wakeup fd;
@@ -51,7 +67,9 @@ async def serve_records(plane: DataPlane, on_record: Callable[[TurnRecord], Awai
             (e.g. ``trajectory.add_turn(turn_of(record, trajectory))``); an
             awaitable it returns is awaited before the record is acked (the
             interceptors' ``intercept_response`` hooks run so, before the
-            agent has the end of its answer).
+            agent has the end of its answer).  A :class:`Fail` returned (or
+            awaited) releases the call with that error instead
+            (:meth:`DataPlane.fail`).
 
     Raises:
         Exception: whatever ``on_record`` raised (the rest of its batch is
@@ -69,14 +87,17 @@ async def serve_records(plane: DataPlane, on_record: Callable[[TurnRecord], Awai
             return
         for i, record in enumerate(records):
             try:
-                pending = on_record(record)
-                if pending is not None and inspect.isawaitable(pending):
-                    await pending
+                verdict = on_record(record)
+                if inspect.isawaitable(verdict):
+                    verdict = await verdict
             except BaseException:
                 for held in records[i:]:
                     plane.ack(held.seq)
                 raise
-            plane.ack(record.seq)
+            if isinstance(verdict, Fail):
+                plane.fail(record.seq, verdict.status, verdict.reason)
+            else:
+                plane.ack(record.seq)
 
 
 def turn_of(record: TurnRecord, trajectory: Trajectory, protocols: Mapping[str, Protocol] | None = None) -> Turn:
@@ -110,16 +131,33 @@ def turn_of(record: TurnRecord, trajectory: Trajectory, protocols: Mapping[str, 
         orjson.JSONDecodeError: a message or the tools are not JSON (the
             plane validated the request, so only a bug gives one).
     """
+    return read_record(record, trajectory, protocols)[0]
+
+
+def read_record(
+    record: TurnRecord, trajectory: Trajectory, protocols: Mapping[str, Protocol] | None = None
+) -> tuple[Turn, Fail | None]:
+    """:func:`turn_of`, and the record's verdict: a :class:`Fail` when the
+    plane relayed a 2xx answer its protocol cannot read (a whole answer
+    that is not a response object: 502; a stream with a malformed event),
+    so the agent is not handed it as a good one; else ``None``.
+
+    Raises:
+        orjson.JSONDecodeError: as :func:`turn_of`.
+    """
     delta: list[Any] = [orjson.loads(m) for m in record.messages]
     table = _builtin_by_name() if protocols is None else protocols
     protocol = table.get(record.protocol)
-    done, error = _answer(record, protocol) if protocol is not None else (Completion(), record.error)
+    done, error, unreadable = _answer(record, protocol) if protocol is not None else (Completion(), record.error, False)
+    verdict = None
+    if unreadable and error is not None:
+        verdict = Fail(502, error if record.streamed else "the upstream's answer is not a valid response object")
     tools = None
     if protocol is not None and record.tools is not None:
         fields = orjson.loads(record.tools)
         # The plane copies the fields unvalidated: tools() returns None for what is not a list.
         tools = protocol.tools(fields) if isinstance(fields, dict) else None
-    return Turn(
+    turn = Turn(
         index=len(trajectory.turns),
         protocol=record.protocol,
         model=record.model,
@@ -137,30 +175,38 @@ def turn_of(record: TurnRecord, trajectory: Trajectory, protocols: Mapping[str, 
         # Written to files with the turn: an error text may quote a URL with credentials.
         error=None if error is None else redact_url(error),
     )
+    return turn, verdict
 
 
-def _answer(record: TurnRecord, protocol: Protocol) -> tuple[Completion, str | None]:
-    """The answer's fields and the turn's error (the Python server's wording)."""
+def _answer(record: TurnRecord, protocol: Protocol) -> tuple[Completion, str | None, bool]:
+    """The answer's fields, the turn's error (the Python server's wording),
+    and whether the protocol could not read a 2xx answer the plane relayed."""
     if record.error is not None:
-        return Completion(), record.error
+        return Completion(), record.error, False
     if not 200 <= record.status < 300:
-        return Completion(), f"upstream answered {record.status}"
-    try:
-        if not record.streamed:
+        return Completion(), f"upstream answered {record.status}", False
+    if not record.streamed:
+        try:
             done = protocol.completion(orjson.loads(record.response))
-            return done, done.error
-        accumulator = protocol.accumulator()
-        parser = SSEParser()
-        terminal = False
+        except Exception as exc:
+            return Completion(), f"upstream answer malformed: {type(exc).__name__}: {exc}", True
+        return done, done.error, False
+    accumulator = protocol.accumulator()
+    parser = SSEParser()
+    terminal = False
+    try:
         for event in [*parser.feed(record.response), *parser.finish()]:
             if not terminal and accumulator.feed(event.event, event.data):
                 terminal = True
+    except Exception as exc:
+        return Completion(), f"upstream sent a malformed event: {type(exc).__name__}: {exc}", True
+    try:
         done = accumulator.result()
     except Exception as exc:
-        return Completion(), f"upstream answer malformed: {type(exc).__name__}: {exc}"
+        return Completion(), f"upstream stream malformed: {type(exc).__name__}: {exc}", True
     if not terminal:
-        return done, "upstream stream ended before its terminal event"
-    return done, done.error
+        return done, "upstream stream ended before its terminal event", False
+    return done, done.error, False
 
 
 @functools.cache

@@ -52,7 +52,7 @@ from lowwater._native import DataPlane, InterceptTable, TurnRecord
 from lowwater.http import MAX_JSON_DEPTH, App, nests_deeper
 from lowwater.http.exposure import check_bind, public_address
 from lowwater.http.routes import normalise
-from lowwater.interception.dataplane import serve_records, turn_of
+from lowwater.interception.dataplane import Fail, read_record, serve_records
 from lowwater.interception.hooks import InterceptedCall, InterceptedResponse, Interceptors
 from lowwater.interception.protocols import Completion, Protocol, builtin_protocols
 from lowwater.interception.sampling import ALIASES, RENAMES
@@ -356,14 +356,18 @@ class InterceptionServer:
 
     # -- the control plane's two paths ---------------------------------------------
 
-    def _on_record(self, record: TurnRecord) -> Awaitable[None] | None:
-        """Append a recorded call's turn to its rollout's trajectory (the
-        record is acked once this, and any response hook, returns)."""
+    def _on_record(self, record: TurnRecord) -> Awaitable[Fail | None] | Fail | None:
+        """Append a recorded call's turn to its rollout's trajectory; the
+        record's verdict (:func:`~lowwater.interception.dataplane.read_record`).
+
+        The call's last bytes wait until this (and any ``intercept_response``
+        hook) returns, so the agent never holds an answer whose turn is not
+        in the trajectory."""
         intercepted = self._intercepted.pop(record.request_id, None)
         slot = self.slots.get(record.rollout_id)
         if slot is None or slot.closed:
             return None  # a closed rollout's trajectory is no longer ours to write
-        turn = turn_of(record, slot.trajectory, self._by_name)
+        turn, verdict = read_record(record, slot.trajectory, self._by_name)
         if nests_deeper(
             [turn.completion, turn.finish_reason, turn.usage, turn.token_ids, turn.logprobs], _ANSWER_DEPTH
         ):
@@ -372,9 +376,14 @@ class InterceptionServer:
             turn.completion = turn.finish_reason = turn.usage = turn.token_ids = turn.logprobs = None
             turn.error = turn.error or f"upstream answer nests deeper than {MAX_JSON_DEPTH} levels; not recorded"
         slot.trajectory.add_turn(turn)
-        if intercepted is None or self.interceptors is None or not self.interceptors.responses:
-            return None
-        return self.interceptors.response(intercepted, InterceptedResponse.of(_completion_of(turn)))
+        interceptors = self.interceptors
+        if verdict is not None or intercepted is None or interceptors is None or not interceptors.responses:
+            return verdict
+        return self._respond(interceptors, intercepted, turn)
+
+    @staticmethod
+    async def _respond(interceptors: Interceptors, call: InterceptedCall, turn: Turn) -> None:
+        await interceptors.response(call, InterceptedResponse.of(_completion_of(turn)))
 
     async def _intercept(self, request_id: str, rollout_id: str, protocol: str, body: bytes) -> bytes | None:
         """Run the ``intercept_request`` hooks on one call's body; the bytes to

@@ -96,7 +96,7 @@ pub use plane::{Config, DataPlane, RolloutOptions, StartError, Stats};
 #[cfg(not(loom))]
 pub use protocol::{ProtocolId, ProtocolSpec, ProtocolTable};
 #[cfg(not(loom))]
-pub use queue::{CompletionQueue, RequestDelta, Timings, TurnRecord};
+pub use queue::{CompletionQueue, RequestDelta, Timings, TurnRecord, Verdict};
 #[cfg(not(loom))]
 pub use rewrite::Rewrites;
 #[cfg(not(loom))]

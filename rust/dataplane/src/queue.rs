@@ -81,6 +81,25 @@ pub struct TurnRecord {
     pub timings: Timings,
 }
 
+/// What the control plane says of a recorded call as it releases it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Verdict {
+    /// Deliver the held bytes as they are ([`CompletionQueue::ack`]).
+    #[default]
+    Deliver,
+    /// The control plane could not read the answer (its protocol found it
+    /// malformed): a whole answer is replaced by this status and reason in
+    /// the protocol's error body; a stream gets an error event with the
+    /// reason instead of its terminal event and is broken off
+    /// ([`CompletionQueue::fail`]).
+    Fail {
+        /// The status for a whole answer (a stream's 200 is already sent).
+        status: u16,
+        /// What the agent reads.
+        reason: String,
+    },
+}
+
 /// Records waiting for the control plane, with the fd that says so.
 #[derive(Debug)]
 pub struct CompletionQueue {
@@ -88,7 +107,7 @@ pub struct CompletionQueue {
     /// Held calls by record seq.  A mutex, not papaya: papaya drops a removed
     /// value only when its deferred reclamation runs, and the dropped sender is
     /// what releases the call, so an ack must take the sender out at once.
-    acks: Mutex<HashMap<u64, oneshot::Sender<()>, foldhash::fast::RandomState>>,
+    acks: Mutex<HashMap<u64, oneshot::Sender<Verdict>, foldhash::fast::RandomState>>,
     next_seq: AtomicU64,
     wakeup: OwnedFd,
     /// The pipe's write end (`None` for an eventfd, which is both ends).
@@ -124,7 +143,7 @@ impl CompletionQueue {
 
     /// Queue `record`; with `ack`, the caller's held bytes wait for
     /// [`CompletionQueue::ack`] of `record.seq`.
-    pub(crate) fn push(&self, record: TurnRecord, ack: Option<oneshot::Sender<()>>) {
+    pub(crate) fn push(&self, record: TurnRecord, ack: Option<oneshot::Sender<Verdict>>) {
         if let Some(ack) = ack {
             // Before the record is visible, so an ack right after drain finds it.
             self.lock_acks().insert(record.seq, ack);
@@ -150,10 +169,20 @@ impl CompletionQueue {
     /// Release the held bytes of record `seq`; `false` if nothing waits on
     /// it (acked already, its client left, or pushed without an ack).
     pub fn ack(&self, seq: u64) -> bool {
+        self.release(seq, Verdict::Deliver)
+    }
+
+    /// Release record `seq`'s call with an error instead of its held bytes
+    /// (see [`Verdict::Fail`]); `false` as for [`CompletionQueue::ack`].
+    pub fn fail(&self, seq: u64, status: u16, reason: impl Into<String>) -> bool {
+        self.release(seq, Verdict::Fail { status, reason: reason.into() })
+    }
+
+    fn release(&self, seq: u64, verdict: Verdict) -> bool {
         let sender = self.lock_acks().remove(&seq);
         match sender {
             Some(tx) => {
-                let _ = tx.send(()); // the call may have ended meanwhile
+                let _ = tx.send(verdict); // the call may have ended meanwhile
                 true
             }
             None => false,
@@ -183,7 +212,7 @@ impl CompletionQueue {
         self.lock_acks().len()
     }
 
-    fn lock_acks(&self) -> std::sync::MutexGuard<'_, HashMap<u64, oneshot::Sender<()>, foldhash::fast::RandomState>> {
+    fn lock_acks(&self) -> std::sync::MutexGuard<'_, HashMap<u64, oneshot::Sender<Verdict>, foldhash::fast::RandomState>> {
         self.acks.lock().unwrap_or_else(PoisonError::into_inner)
     }
 

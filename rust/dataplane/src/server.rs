@@ -32,7 +32,7 @@ use crate::divergence::MessageHasher;
 use crate::held::Held;
 use crate::lifecycle::{CallId, Cancelled};
 use crate::protocol::{error_body, ErrorFlavour, ParsedRequest, ProtocolId, ProtocolSpec, ProtocolTable};
-use crate::queue::{CompletionQueue, RequestDelta, Timings, TurnRecord};
+use crate::queue::{CompletionQueue, RequestDelta, Timings, TurnRecord, Verdict};
 use crate::rewrite::Rewrites;
 use crate::rollouts::{Rollout, RolloutTable};
 use crate::sse::{Fed, SseSplitter};
@@ -357,12 +357,28 @@ struct Call {
     _active: Gauge,
 }
 
+/// The error a call's turn records when its client left before the answer
+/// was complete (the Python server's wording).
+const DISCONNECTED: &str = "the client disconnected before the answer was complete";
+
+/// The status a turn records for a call whose client left (nginx's "client
+/// closed request"; no response was sent).
+const CLIENT_CLOSED: u16 = 499;
+
 impl Drop for Call {
     fn drop(&mut self) {
-        // The client left (hyper dropped the handler) or the relay ended
-        // without a record: the call leaves the rollout's in-flight list.
+        // Still armed: the client left (hyper dropped the handler, or the
+        // relay found the client gone) before the call was recorded.  The
+        // turn is recorded with that error, as the trainer must see the call
+        // was made (it may have consumed upstream tokens); dropping the call
+        // closes the upstream request, which stops the generation.
         if self.armed {
-            self.rollout.calls.abandon(self.id);
+            bump(&self.sh.counters.disconnected);
+            let upstream_s = self.start.elapsed().as_secs_f64();
+            if self.commit(CLIENT_CLOSED, Bytes::new(), Some(DISCONNECTED.into()), upstream_s).is_err() {
+                // Unregistered meanwhile: nothing to record.
+                self.armed = false;
+            }
         }
     }
 }
@@ -371,7 +387,7 @@ impl Call {
     fn closed(&mut self) -> Response<ResBody> {
         self.armed = false;
         bump(&self.sh.counters.closed);
-        error(self.spec.flavour, 410, &format!("rollout {} was closed", self.rollout.id))
+        error(self.spec.flavour, 410, &format!("rollout {} was closed during the call", self.rollout.id))
     }
 
     async fn run(mut self, body: Bytes, extra: HeaderMap, mut cancel: oneshot::Receiver<()>) -> Response<ResBody> {
@@ -389,6 +405,7 @@ impl Call {
                 return match self.commit(e.status(), Bytes::new(), Some(reason.clone()), 0.0) {
                     Err(Cancelled) => self.closed(),
                     Ok(ack) => {
+                        // Failed already: a verdict cannot make it worse.
                         wait(ack).await;
                         error(self.spec.flavour, e.status(), &reason)
                     }
@@ -420,16 +437,21 @@ impl Call {
         let (status, bytes, err) = match read {
             // A 5xx left after the retries is the upstream failing: 502, as in
             // the Python server; the record keeps the upstream's body.
-            Ok(bytes) if status.is_server_error() => (502, bytes, Some(format!("upstream answered {status}"))),
+            Ok(bytes) if status.is_server_error() => (502, bytes, Some(format!("upstream answered {}", status.as_u16()))),
             Ok(bytes) => (status.as_u16(), bytes, None),
             Err(e) => (e.status(), Bytes::new(), Some(e.reason())),
         };
         match self.commit(status, bytes.clone(), err.clone(), upstream_s) {
             Err(Cancelled) => self.closed(),
             Ok(ack) => {
-                wait(ack).await;
+                let verdict = wait(ack).await;
                 if let Some(why) = err {
                     return error(self.spec.flavour, status, &why);
+                }
+                if let Verdict::Fail { status, reason } = verdict {
+                    // The control plane could not read the answer: the agent
+                    // must not take it for a good one.
+                    return error(self.spec.flavour, status, &reason);
                 }
                 let mut r = Response::new(ResBody::full(bytes));
                 *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
@@ -451,7 +473,7 @@ impl Call {
         response: Bytes,
         error: Option<String>,
         upstream_s: f64,
-    ) -> Result<Option<oneshot::Receiver<()>>, Cancelled> {
+    ) -> Result<Option<oneshot::Receiver<Verdict>>, Cancelled> {
         let sh = &self.sh;
         let (ack_tx, ack_rx) = if sh.hold_for_ack {
             let (t, r) = oneshot::channel();
@@ -510,7 +532,7 @@ impl Call {
                 }
                 Ok(None) => break,
                 Ok(Some(Err(e))) => {
-                    error = Some(format!("upstream stream broke: {}", error_chain(&e)));
+                    error = Some(format!("upstream stream cut: {}", error_chain(&e)));
                     break;
                 }
                 Ok(Some(Ok(f))) => match f.into_data() {
@@ -527,8 +549,7 @@ impl Call {
                     s = tx.send(Relay::Data(fed.relay)) => s,
                 };
                 if sent.is_err() {
-                    bump(&self.sh.counters.disconnected);
-                    return; // the client left: dropping `self` abandons the call
+                    return; // the client left: dropping `self` records it so
                 }
             }
             if split.seen_terminal() {
@@ -547,14 +568,17 @@ impl Call {
         drop((body, permit));
         if !split.seen_terminal() {
             acc.extend_from_slice(split.pending());
-            error.get_or_insert_with(|| "the upstream stream ended before its terminal event".into());
+            error.get_or_insert_with(|| "upstream stream ended before its terminal event".into());
         }
         let out = match self.commit(status, acc.freeze(), error.clone(), upstream_s) {
             Err(Cancelled) => return self.stream_closed(&tx).await,
             Ok(ack) => {
-                tokio::select! {
-                    _ = wait(ack) => {}
+                let verdict = tokio::select! {
+                    v = wait(ack) => v,
                     _ = tx.closed() => return,
+                };
+                if let (None, Verdict::Fail { reason, .. }) = (&error, verdict) {
+                    error = Some(reason);
                 }
                 let mut out = BytesMut::from(&tail[..]);
                 match &error {
@@ -575,7 +599,7 @@ impl Call {
     async fn stream_closed(&mut self, tx: &mpsc::Sender<Relay>) {
         self.armed = false;
         bump(&self.sh.counters.closed);
-        let event = self.spec.error_event(&format!("rollout {} was closed", self.rollout.id));
+        let event = self.spec.error_event(&format!("rollout {} was closed during the call", self.rollout.id));
         let _ = tokio::time::timeout(SEND_TIMEOUT, tx.send(Relay::Data(event.into()))).await;
         let _ = tx.send(Relay::Break).await;
     }
@@ -589,9 +613,12 @@ fn keep(fed: &Fed, acc: &mut BytesMut, held: &mut BytesMut) {
     }
 }
 
-async fn wait(ack: Option<oneshot::Receiver<()>>) {
-    if let Some(rx) = ack {
-        let _ = rx.await; // an ack or a release: either way the bytes go out
+/// The control plane's verdict on a recorded call; a release (shutdown, or
+/// `release_all`) delivers the bytes as they are.
+async fn wait(ack: Option<oneshot::Receiver<Verdict>>) -> Verdict {
+    match ack {
+        Some(rx) => rx.await.unwrap_or_default(),
+        None => Verdict::Deliver,
     }
 }
 
@@ -604,11 +631,11 @@ async fn read_whole(answer: Answer, timeout: Duration, limit: usize) -> Result<B
         match tokio::time::timeout(timeout, body.frame()).await {
             Err(_) => return Err(UpstreamError::Timeout),
             Ok(None) => return Ok(buf.freeze()),
-            Ok(Some(Err(e))) => return Err(UpstreamError::Failed(format!("answer cut: {}", error_chain(&e)))),
+            Ok(Some(Err(e))) => return Err(UpstreamError::Failed(format!("upstream answer cut: {}", error_chain(&e)))),
             Ok(Some(Ok(f))) => {
                 if let Ok(d) = f.into_data() {
                     if buf.len() + d.len() > limit {
-                        return Err(UpstreamError::Failed(format!("answer over {limit} bytes")));
+                        return Err(UpstreamError::Failed(format!("upstream answer over {limit} bytes")));
                     }
                     buf.extend_from_slice(&d);
                 }

@@ -27,7 +27,8 @@ const RETRY_STATUSES: [u16; 5] = [429, 500, 502, 503, 504];
 /// Why an upstream call produced no answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum UpstreamError {
-    /// Unreachable, refused, reset, or a malformed answer: 502.
+    /// Unreachable, refused, reset, or an answer cut or too large: 502,
+    /// with the whole reason (`upstream unreachable: ...`).
     Failed(String),
     /// No answer within the timeout: 504.
     Timeout,
@@ -43,7 +44,7 @@ impl UpstreamError {
 
     pub(crate) fn reason(&self) -> String {
         match self {
-            UpstreamError::Failed(why) => format!("upstream failed: {why}"),
+            UpstreamError::Failed(why) => why.clone(),
             UpstreamError::Timeout => "upstream timed out".into(),
         }
     }
@@ -196,7 +197,7 @@ impl Upstream {
                 .method(Method::POST)
                 .uri(&url)
                 .body(Full::new(body.clone()))
-                .map_err(|e| UpstreamError::Failed(e.to_string()))?;
+                .map_err(|e| UpstreamError::Failed(format!("upstream request invalid: {e}")))?;
             self.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             if attempt > 0 {
                 self.retried.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -207,7 +208,7 @@ impl Upstream {
             let delay = match tokio::time::timeout(self.timeout, self.client.request(req)).await {
                 Err(_) => return Err(UpstreamError::Timeout),
                 Ok(Err(e)) if e.is_connect() && attempt < self.retries => self.backoff_delay(attempt),
-                Ok(Err(e)) => return Err(UpstreamError::Failed(error_chain(&e))),
+                Ok(Err(e)) => return Err(UpstreamError::Failed(format!("upstream unreachable: {}", error_chain(&e)))),
                 Ok(Ok(resp)) if RETRY_STATUSES.contains(&resp.status().as_u16()) && attempt < self.retries => {
                     retry_after(resp.status(), resp.headers(), self.max_backoff)
                         .unwrap_or_else(|| self.backoff_delay(attempt))

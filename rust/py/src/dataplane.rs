@@ -336,6 +336,13 @@ impl DataPlane {
         self.with(|p| Ok(p.queue().ack(seq)))
     }
 
+    fn fail(&self, seq: u64, status: u16, reason: &str) -> PyResult<bool> {
+        if !(400..=599).contains(&status) {
+            return Err(PyValueError::new_err(format!("status must be 400-599, got {status}")));
+        }
+        self.with(|p| Ok(p.queue().fail(seq, status, reason)))
+    }
+
     fn release_all(&self) -> PyResult<usize> {
         self.with(|p| Ok(p.queue().release_all()))
     }
