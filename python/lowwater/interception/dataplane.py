@@ -22,12 +22,56 @@ import orjson
 import trio
 
 from lowwater._native import DataPlane, DataPlaneClosed, TurnRecord
+from lowwater.interception import sampling as _sampling
 from lowwater.interception.protocols import Completion, Protocol, builtin_protocols
 from lowwater.interception.sse import SSEParser
 from lowwater.redact import redact_url
 from lowwater.trajectory import Trajectory, Turn
 
-__all__ = ["serve_records", "turn_of"]
+__all__ = ["rewrites_for", "serve_records", "turn_of"]
+
+#: The request rules of ``request_logprobs`` per built-in protocol, as
+#: ``Protocol.upstream_body`` applies them (Anthropic has none).
+_LOGPROBS_RULES: dict[str, dict[str, dict[str, str]]] = {
+    "openai.chat": {"set": {"logprobs": "true", "return_token_ids": "true"}},
+    "openai.responses": {"append": {"include": '"message.output_text.logprobs"'}},
+}
+
+
+def rewrites_for(
+    sampling: Mapping[str, Any], *, request_logprobs: bool, protocols: tuple[str, ...] | None = None
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """The ``rewrites`` argument of :class:`~lowwater._native.DataPlane` that
+    makes the plane forward what ``InterceptionServer`` forwards for the
+    same ``sampling`` and ``request_logprobs``.
+
+    Args:
+        sampling: the run's sampling arguments (``{"max_tokens": 512, ...}``);
+            each becomes a ``defaults`` rule under the protocol's spelling
+            (:data:`lowwater.interception.sampling.RENAMES`) that yields to
+            every alias (:data:`~lowwater.interception.sampling.ALIASES`).
+        request_logprobs: ask the upstream for token ids and logprobs.
+        protocols: protocol names (default: the three built in).
+
+    Raises:
+        orjson.JSONEncodeError: a sampling value orjson cannot encode.
+    """
+    names = protocols if protocols is not None else tuple(_builtin_by_name())
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for name in names:
+        rules: dict[str, dict[str, Any]] = {}
+        if request_logprobs:
+            rules.update({kind: dict(entries) for kind, entries in _LOGPROBS_RULES.get(name, {}).items()})
+        renames = _sampling.RENAMES.get(name, {})
+        defaults = {
+            renames.get(key, key): (orjson.dumps(value).decode(), _sampling.ALIASES.get(key, (key,)))
+            for key, value in sampling.items()
+        }
+        if defaults:
+            rules["defaults"] = defaults
+        if rules:
+            out[name] = rules
+    return out
 
 
 async def serve_records(plane: DataPlane, on_record: Callable[[TurnRecord], object]) -> None:
