@@ -257,7 +257,9 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
     };
     let delta = delta(&sh, &rollout, &body, &parsed);
     // After the delta: the turn shows the agent's messages, the upstream gets the rewrite.
-    let body = crate::rewrite::forward(&body, &parsed.spans, rollout.model.as_deref(), rules);
+    let forward = crate::rewrite::forward(&body, &parsed.spans, rollout.model.as_deref(), rules);
+    // A rewritten body is a copy: the agent's bytes are not kept for the call's life.
+    drop(body);
     let model = rollout.model.as_deref().map_or(parsed.model, String::from);
     let call = Call {
         sh: Arc::clone(&sh),
@@ -274,7 +276,7 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
         started_s,
         _active: active,
     };
-    call.run(body, extra, cancel_rx).await
+    call.run(forward, extra, cancel_rx).await
 }
 
 /// The request's messages the rollout has not sent before, copied out of the
