@@ -193,7 +193,9 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
     let active = Gauge::new(&sh, |c| &c.active_calls);
     let start = Instant::now();
     let started_s = now_unix_s();
-    if req.uri().path() == crate::models::PATH {
+    let path = req.uri().path();
+    // GET is the model list's; another method goes to a protocol routed there, if any.
+    if path == crate::models::PATH && (req.method() == Method::GET || sh.protocols.route(path).is_none()) {
         return crate::models::answer(&sh, &req);
     }
     let Some((pid, spec)) = sh.protocols.route(req.uri().path()) else {
