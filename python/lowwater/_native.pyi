@@ -271,9 +271,9 @@ class TurnRecord:
         protocol: the protocol's name (``"openai.chat"``, ``"openai.responses"``,
             ``"anthropic.messages"``); ``protocol_id`` is its index in the
             data plane's protocol table.
-        model: the model sent upstream: the rollout's ``model`` (see
-            :meth:`DataPlane.register`) when it has one, else the ``model``
-            the agent asked for (``""`` if none).
+        model: the ``model`` the agent asked for (``""`` if none), also when
+            the rollout's ``model`` (see :meth:`DataPlane.register`) replaced
+            it upstream.
         streamed: whether the agent asked for an SSE stream.
         kept: how many leading messages equal the rollout's previous request's;
             ``messages`` starts at this index of the request's list.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -24,12 +24,50 @@ import orjson
 import trio
 
 from lowwater._native import DataPlane, DataPlaneClosed, TurnRecord
+from lowwater.interception import sampling as _sampling
 from lowwater.interception.protocols import Completion, Protocol, builtin_protocols
 from lowwater.interception.sse import SSEParser
 from lowwater.redact import redact_url
 from lowwater.trajectory import Trajectory, Turn
 
-__all__ = ["Fail", "read_record", "serve_records", "turn_of"]
+__all__ = ["Fail", "read_record", "rewrites_for", "serve_records", "turn_of"]
+
+
+def rewrites_for(
+    sampling: Mapping[str, Any], *, request_logprobs: bool, protocols: Sequence[Protocol] | None = None
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """The ``rewrites`` argument of :class:`~lowwater._native.DataPlane` that
+    makes the plane forward what ``InterceptionServer`` forwards for the
+    same ``sampling`` and ``request_logprobs``.
+
+    Args:
+        sampling: the run's sampling arguments (``{"max_tokens": 512, ...}``);
+            each becomes a ``defaults`` rule under the protocol's spelling
+            (:data:`lowwater.interception.sampling.RENAMES`) that yields to
+            every alias (:data:`~lowwater.interception.sampling.ALIASES`).
+        request_logprobs: ask the upstream for token ids and logprobs
+            (each protocol's :meth:`~lowwater.interception.protocols.Protocol.data_plane_rewrites`).
+        protocols: the protocols served (default: the three built in).
+
+    Raises:
+        orjson.JSONEncodeError: a sampling value orjson cannot encode.
+    """
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for protocol in protocols if protocols is not None else builtin_protocols():
+        name = protocol.name
+        rules: dict[str, dict[str, Any]] = {
+            kind: dict(entries) for kind, entries in protocol.data_plane_rewrites(logprobs=request_logprobs).items()
+        }
+        renames = _sampling.RENAMES.get(name, {})
+        defaults = {
+            renames.get(key, key): (orjson.dumps(value).decode(), _sampling.ALIASES.get(key, (key,)))
+            for key, value in sampling.items()
+        }
+        if defaults:
+            rules["defaults"] = defaults
+        if rules:
+            out[name] = rules
+    return out
 
 
 @attrs.frozen

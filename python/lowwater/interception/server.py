@@ -52,10 +52,9 @@ from lowwater._native import DataPlane, InterceptTable, TurnRecord
 from lowwater.http import MAX_JSON_DEPTH, App, nests_deeper
 from lowwater.http.exposure import check_bind, public_address
 from lowwater.http.routes import normalise
-from lowwater.interception.dataplane import Fail, read_record, serve_records
+from lowwater.interception.dataplane import Fail, read_record, rewrites_for, serve_records
 from lowwater.interception.hooks import InterceptedCall, InterceptedResponse, Interceptors
 from lowwater.interception.protocols import Completion, Protocol, builtin_protocols
-from lowwater.interception.sampling import ALIASES, RENAMES
 from lowwater.interception.slots import Slot, SlotRegistry, new_secret
 from lowwater.trajectory import Trajectory, Turn
 from lowwater.upstream.client import ModelClient
@@ -229,7 +228,9 @@ class InterceptionServer:
             max_body_bytes=self.max_body_bytes,
             table=self.table,
             protocols=[p.data_plane_spec() for p in self.routes.values()],
-            rewrites=self._rewrites(),
+            rewrites=rewrites_for(
+                self.sampling, request_logprobs=self.request_logprobs, protocols=list(self.routes.values())
+            ),
             **self._upcall_options(),
             **options,
         )
@@ -242,23 +243,6 @@ class InterceptionServer:
         if self._mounts:
             options["python_routes"] = [prefix for prefix, _ in self._mounts]
         return options
-
-    def _rewrites(self) -> dict[str, dict[str, dict[str, Any]]]:
-        """Per protocol: the logprob fields and the run's sampling arguments,
-        as the plane's declarative rewrites (the agent's own keys win)."""
-        out: dict[str, dict[str, dict[str, Any]]] = {}
-        for protocol in self.routes.values():
-            rules = protocol.data_plane_rewrites(logprobs=self.request_logprobs)
-            renames = RENAMES.get(protocol.name, {})
-            defaults = {
-                renames.get(key, key): (orjson.dumps(value).decode(), list(ALIASES.get(key, (key,))))
-                for key, value in self.sampling.items()
-            }
-            if defaults:
-                rules = {**rules, "defaults": defaults}
-            if rules:
-                out[protocol.name] = rules
-        return out
 
     def register(self, trajectory: Trajectory, *, upstream: ModelClient | None = None) -> Slot:
         """Open a slot for ``trajectory``'s rollout.

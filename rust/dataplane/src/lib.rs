@@ -2,10 +2,12 @@
 //!
 //! An HTTP/1.1 server (hyper on a bounded tokio runtime) that takes an
 //! agent's OpenAI/Anthropic-compatible model calls, authenticates each by its
-//! rollout's secret, forwards it to the upstream with the upstream's key,
-//! relays the answer (SSE event by event), and hands each finished call to
-//! the control plane as a [`TurnRecord`] through a [`CompletionQueue`] with a
-//! wakeup fd.  The control plane (Python, in a later step) registers and
+//! rollout's secret, forwards it to the upstream with the upstream's key
+//! (the plane's, or the rollout's own: [`DataPlane::register_with`]),
+//! rewritten as configured ([`Rewrites`], [`rewrite`]), relays the answer
+//! (SSE event by event), and hands each finished call to the control plane
+//! as a [`TurnRecord`] through a [`CompletionQueue`] with a wakeup fd.  It
+//! also answers `GET /v1/models` with the rollout's model.  The control plane (Python, in a later step) registers and
 //! unregisters rollouts, turns records into trajectory turns, and acks them;
 //! see docs/dataplane.md for the boundary.  Pure Rust, no pyo3.
 //!
@@ -15,7 +17,7 @@
 //! |---|---|
 //! | 400 | malformed JSON, nesting deeper than [`protocol::MAX_JSON_DEPTH`], a missing or mistyped field, a forwarded header that is not ASCII, a body cut short |
 //! | 401 | missing or unknown secret, or keys of two rollouts (`connection: close`: the body is not read) |
-//! | 404 / 405 | no such route / not a POST (with `allow: POST`) |
+//! | 404 / 405 | no such route / not a POST (with `allow: POST`); `/v1/models` not a GET (`allow: GET`) |
 //! | 408 | the body not all received within [`Config::body_read_timeout`] (`connection: close`) |
 //! | 410 | the rollout was closed before or during the call (a stream under way gets an error event instead) |
 //! | 413 | body over [`Config::max_body_bytes`] (the rest is drained first) |

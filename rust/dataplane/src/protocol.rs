@@ -565,6 +565,17 @@ mod tests {
     }
 
     #[test]
+    fn spans_are_kept_only_when_asked() {
+        let chat = ProtocolSpec::openai_chat();
+        let body = r#"{"model":"a", "x" : null,"model":"b","messages":[{"role":"user"}]}"#;
+        assert!(chat.parse(body.as_bytes()).unwrap().spans.is_empty());
+        let mut spans = chat.parse_keeping_spans(body.as_bytes()).unwrap().spans;
+        spans.sort_by(|a, b| a.0.cmp(&b.0));
+        let texts: Vec<_> = spans.iter().map(|(k, r)| (k.as_str(), &body[r.clone()])).collect();
+        assert_eq!(texts, [("messages", r#"[{"role":"user"}]"#), ("model", r#""b""#), ("x", "null")]);
+    }
+
+    #[test]
     fn depth_limit() {
         let ok = format!("{}{}", "[".repeat(MAX_JSON_DEPTH), "]".repeat(MAX_JSON_DEPTH));
         assert!(!nests_deeper_than(ok.as_bytes(), MAX_JSON_DEPTH));

@@ -203,7 +203,9 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
     let active = Gauge::new(&sh, |c| &c.active_calls);
     let start = Instant::now();
     let started_s = now_unix_s();
-    if req.uri().path() == crate::models::PATH {
+    let path = req.uri().path();
+    // GET is the model list's; another method goes to a protocol routed there, if any.
+    if path == crate::models::PATH && (req.method() == Method::GET || sh.protocols.route(path).is_none()) {
         return crate::models::answer(&sh, &req);
     }
     let Some((pid, spec)) = sh.protocols.route(req.uri().path()) else {
@@ -299,8 +301,11 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
     let body = held.bytes();
     let delta = delta(&sh, &rollout, &body, &parsed);
     // After the delta: the turn shows the agent's messages, the upstream gets the rewrite.
-    let body = crate::rewrite::forward(&body, &parsed.spans, rollout.model.as_deref(), rules);
-    let model = rollout.model.as_deref().map_or(parsed.model, String::from);
+    let forward = crate::rewrite::forward(&body, &parsed.spans, rollout.model.as_deref(), rules);
+    // A rewritten body is a copy: the agent's bytes are not kept for the call's life.
+    drop(body);
+    // The turn names the model the agent asked for (an override is the run's, not the agent's).
+    let model = parsed.model;
     let call = Call {
         sh: Arc::clone(&sh),
         rollout,
@@ -317,7 +322,7 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
         _held: held,
         _active: active,
     };
-    call.run(body, extra, cancel_rx).await
+    call.run(forward, extra, cancel_rx).await
 }
 
 /// The request's messages the rollout has not sent before, copied out of the

