@@ -14,6 +14,8 @@ pub enum ConfigError {
     Protocol(String),
     /// A limit or count that must be positive is zero.
     Limit(&'static str),
+    /// An upcall option names no protocol, or a Python route prefix is not a path.
+    Upcall(String),
 }
 
 impl fmt::Display for ConfigError {
@@ -25,6 +27,7 @@ impl fmt::Display for ConfigError {
             }
             ConfigError::Protocol(why) => write!(f, "bad protocol table: {why}"),
             ConfigError::Limit(name) => write!(f, "{name} must be positive"),
+            ConfigError::Upcall(why) => write!(f, "bad upcall option: {why}"),
         }
     }
 }

@@ -78,6 +78,7 @@ pub mod rollouts;
 mod server;
 #[cfg(not(loom))]
 pub mod sse;
+pub mod upcall;
 #[cfg(not(loom))]
 mod upstream;
 
@@ -91,6 +92,8 @@ pub use protocol::{ProtocolId, ProtocolSpec, ProtocolTable};
 pub use queue::{CompletionQueue, RequestDelta, Timings, TurnRecord};
 #[cfg(not(loom))]
 pub use rollouts::RolloutTable;
+#[cfg(not(loom))]
+pub use upcall::{AnswerError, Intercept, Upcall, UpcallKind, Upcalls};
 
 /// The data plane's allocator, for the final artifact's `#[global_allocator]`
 /// (see the crate docs' Allocator section).

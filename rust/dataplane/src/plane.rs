@@ -13,6 +13,7 @@ use crate::protocol::ProtocolTable;
 use crate::queue::CompletionQueue;
 use crate::rollouts::RolloutTable;
 use crate::server::{accept_loop, Counters, Shared};
+use crate::upcall::{Intercept, Upcalls};
 use crate::upstream::Upstream;
 
 /// How the data plane runs.  [`Config::new`] gives the Python server's defaults.
@@ -53,6 +54,13 @@ pub struct Config {
     /// Tokio worker threads (2): a bounded runtime, so the data plane's
     /// allocator caches are per a fixed few threads.
     pub worker_threads: usize,
+    /// Which protocols' calls are handed to the control plane before
+    /// forwarding, as intercept upcalls (off: no call waits on Python).
+    pub intercept: Intercept,
+    /// Path prefixes (each starting with `/`; `"/"` catches every path)
+    /// whose requests, when no protocol route matches, are handed to the
+    /// control plane as route upcalls; empty (the default): those are 404.
+    pub python_routes: Vec<String>,
 }
 
 impl Config {
@@ -73,6 +81,8 @@ impl Config {
             pool_idle_timeout: Duration::from_secs(5),
             hold_for_ack: true,
             worker_threads: 2,
+            intercept: Intercept::Off,
+            python_routes: Vec::new(),
         }
     }
 }
@@ -136,8 +146,13 @@ pub struct Stats {
     pub closed: u64,
     /// Streams whose client left before the end (not recorded).
     pub disconnected: u64,
-    /// Calls refused before forwarding (400, 401, 413; not recorded).
+    /// Calls refused before forwarding (400, 401, 413, an interceptor's
+    /// reject; not recorded).
     pub refused: u64,
+    /// Upcalls waiting for the control plane's answer (0 at rest).
+    pub pending_upcalls: usize,
+    /// Upcalls made (intercept and route).
+    pub upcalls: u64,
 }
 
 /// A running data plane: its own tokio runtime, listener and tables.
@@ -177,6 +192,7 @@ impl DataPlane {
             return Err(ConfigError::Limit("body_read_timeout").into());
         }
         let upstream = Upstream::new(&config)?;
+        let upcalls = Upcalls::new(&config.protocols, &config.intercept, &config.python_routes)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.worker_threads)
             .thread_name("lowwater-dataplane")
@@ -201,6 +217,7 @@ impl DataPlane {
             body_read_timeout: config.body_read_timeout,
             hold_for_ack: config.hold_for_ack,
             counters: Counters::default(),
+            upcalls,
         });
         let (stop, stopped) = oneshot::channel();
         runtime.spawn(accept_loop(Arc::clone(&shared), listener, stopped));
@@ -222,8 +239,20 @@ impl DataPlane {
 
     /// Close a rollout, cancelling its in-flight calls (see
     /// [`RolloutTable::unregister`]); `None` if it was not open.
+    ///
+    /// Its upcalls waiting for an answer are answered 410 too (counted in
+    /// the result), and a later answer to them is a no-op.
     pub fn unregister(&self, rollout_id: &str) -> Option<usize> {
-        self.shared.rollouts.unregister(rollout_id)
+        let rollout = self.shared.rollouts.get(rollout_id);
+        let cancelled = self.shared.rollouts.unregister(rollout_id)?;
+        // After the close: an upcall inserted later sees the rollout closed.
+        let upcalls = rollout.map_or(0, |r| self.shared.upcalls.cancel_rollout(&r));
+        Some(cancelled + upcalls)
+    }
+
+    /// The upcalls: their wakeup fd, drain, and the answers.
+    pub fn upcalls(&self) -> &Upcalls {
+        &self.shared.upcalls
     }
 
     /// The completion queue: wakeup fd, drain, ack.
@@ -255,6 +284,8 @@ impl DataPlane {
             closed: get(&c.closed),
             disconnected: get(&c.disconnected),
             refused: get(&c.refused),
+            pending_upcalls: sh.upcalls.pending(),
+            upcalls: sh.upcalls.total(),
         }
     }
 
@@ -272,6 +303,7 @@ impl DataPlane {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
+        self.shared.upcalls.close();
         self.shared.queue.release_all();
         if let Some(rt) = self.runtime.take() {
             rt.shutdown_timeout(timeout);
@@ -282,6 +314,7 @@ impl DataPlane {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
+        self.shared.upcalls.close();
         self.shared.queue.release_all();
         if let Some(rt) = self.runtime.take() {
             rt.shutdown_background();

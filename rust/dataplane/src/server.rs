@@ -70,6 +70,8 @@ pub(crate) struct Shared {
     pub(crate) body_read_timeout: Duration,
     pub(crate) hold_for_ack: bool,
     pub(crate) counters: Counters,
+    /// Upcalls to the control plane (src/upcall.rs).
+    pub(crate) upcalls: crate::upcall::Upcalls,
 }
 
 /// A gauge held up while this lives (a connection, a call's task).
@@ -191,6 +193,9 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
     let start = Instant::now();
     let started_s = now_unix_s();
     let Some((pid, spec)) = sh.protocols.route(req.uri().path()) else {
+        if sh.upcalls.routes_to_python(req.uri().path()) {
+            return crate::upcall::route(&sh, req).await;
+        }
         return closing(error(ErrorFlavour::OpenAi, 404, &format!("no route {}", req.uri().path())));
     };
     let spec = Arc::clone(spec);
@@ -240,6 +245,16 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
             bump(&sh.counters.refused);
             return error(spec.flavour, 400, &bad.0);
         }
+    };
+    // Interception: the control plane may change the body (forwarded and
+    // recorded as changed) or refuse the call, before it begins.
+    let (body, parsed) = if sh.upcalls.intercepts(pid) {
+        match crate::upcall::intercept(&sh, &rollout, &spec, body, parsed).await {
+            Ok(forward) => forward,
+            Err(response) => return response,
+        }
+    } else {
+        (body, parsed)
     };
     let (cancel_tx, cancel_rx) = oneshot::channel();
     let Ok(id) = rollout.calls.begin(cancel_tx) else {
