@@ -92,6 +92,9 @@ pub use protocol::{ProtocolId, ProtocolSpec, ProtocolTable};
 pub use queue::{CompletionQueue, RequestDelta, Timings, TurnRecord};
 #[cfg(not(loom))]
 pub use rollouts::RolloutTable;
+/// The byte buffer of the control API's bodies (the `bytes` crate's).
+#[cfg(not(loom))]
+pub use bytes::Bytes;
 #[cfg(not(loom))]
 pub use upcall::{AnswerError, Intercept, Upcall, UpcallKind, Upcalls};
 

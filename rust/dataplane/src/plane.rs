@@ -60,6 +60,8 @@ pub struct Config {
     /// Path prefixes (each starting with `/`; `"/"` catches every path)
     /// whose requests, when no protocol route matches, are handed to the
     /// control plane as route upcalls; empty (the default): those are 404.
+    /// A prefix matches by whole segments: `/lowwater/` (or `/lowwater`)
+    /// takes `/lowwater` and `/lowwater/stats`, not `/lowwaterx`.
     pub python_routes: Vec<String>,
 }
 

@@ -309,7 +309,8 @@ mod plane_side {
                 wakeup,
                 wakeup_write,
                 intercept: mask,
-                routes: routes.to_vec(),
+                // Kept without the trailing slash ("" for "/": every path).
+                routes: routes.iter().map(|r| r.trim_end_matches('/').to_owned()).collect(),
                 total: AtomicU64::new(0),
             })
         }
@@ -426,9 +427,15 @@ mod plane_side {
             self.intercept.get(pid as usize).copied().unwrap_or(false)
         }
 
-        /// Whether `path` is under a Python route prefix.
+        /// Whether `path` is under a Python route prefix: the prefix itself
+        /// or below it by whole segments (`/lowwater/` takes `/lowwater` and
+        /// `/lowwater/stats`, not `/lowwaterx`), as the Python `Router`'s
+        /// mounts match; `/` takes every path.
         pub(crate) fn routes_to_python(&self, path: &str) -> bool {
-            self.routes.iter().any(|p| path.starts_with(p.as_str()))
+            self.routes.iter().any(|p| match path.strip_prefix(p.as_str()) {
+                Some(rest) => p.is_empty() || rest.is_empty() || rest.starts_with('/'),
+                None => false,
+            })
         }
 
         fn answer(&self, id: u64, kind: UpcallKind, answer: Answer) -> Result<bool, AnswerError> {

@@ -354,11 +354,19 @@ fn python_routes_relay_the_request_and_the_answer() {
     assert_eq!(headers["x-one"], "1");
     assert_eq!(headers["content-length"], "11", "the plane frames the body itself");
     assert_eq!(&body[..], b"{\"ok\":true}");
-    // Outside the prefixes: 404 as before, no upcall.
-    let (status, _, _) = h.join(h.send(post(h.addr(), "/other", "", "")));
-    assert_eq!(status, 404);
+    // Outside the prefixes (by whole segments): 404 as before, no upcall.
+    for path in ["/other", "/lowwaterx/stats"] {
+        let (status, _, _) = h.join(h.send(post(h.addr(), path, "", "")));
+        assert_eq!(status, 404, "{path}");
+    }
+    // The prefix itself is under it.
+    let call = h.send(post(h.addr(), "/lowwater", "", ""));
+    let up = h.one_upcall();
+    assert_eq!(up.path, "/lowwater");
+    assert_eq!(h.plane.upcalls().respond(up.id, 204, &[], Bytes::new()), Ok(true));
+    assert_eq!(h.join(call).0, 204);
     let s = h.settled();
-    assert_eq!((s.pending_upcalls, s.upcalls), (0, 1));
+    assert_eq!((s.pending_upcalls, s.upcalls), (0, 2));
 }
 
 #[test]
