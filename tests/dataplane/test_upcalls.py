@@ -338,3 +338,23 @@ def test_option_errors() -> None:
         with pytest.raises(ValueError, match="not allowed"):
             plane.respond(12, 100, [])
         assert plane.stats()["pending_upcalls"] == 0
+
+
+def test_unusable_answers_are_500s_and_the_loop_goes_on() -> None:
+    async def text(upcall: Upcall) -> Any:
+        return "not bytes"
+
+    async def informational(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 101, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def fn(r: Rig) -> None:
+        r.open("r0", "s0")
+        for _ in range(2):  # the second proves serve_upcalls survived the first
+            answer = await r.chat("s0", [{"role": "user", "content": "hi"}])
+            assert answer.status_code == 500 and "unusably" in answer.json()["error"]["message"]
+            routed = await r.http.get(f"http://{r.plane.address}/lowwater/x")
+            assert routed.status_code == 500 and "unusable" in routed.json()["error"]
+        await settled(r)
+
+    run(fn, hook=text, app=informational, intercept=True, python_routes=["/lowwater"])

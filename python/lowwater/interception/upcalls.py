@@ -80,18 +80,30 @@ async def serve_upcall(plane: DataPlane, upcall: Upcall, app: App | None, interc
     """Serve one upcall and answer it (exactly once, whatever happens).
 
     An intercept callback's :class:`Reject` or :class:`~lowwater.http.HTTPError`
-    is the call's status and message; any other exception is logged and is a
-    500 naming it.  An ASGI app that raises before its response starts is a
-    500; one that raises after is answered with what it had sent.
+    is the call's status and message; any other exception, or an answer that
+    is neither bytes nor ``None``, is logged and is a 500 naming it.  An ASGI
+    app that raises before its response starts is a 500; one that raises
+    after is answered with what it had sent; a response the plane cannot
+    send (a 1xx status, a header that is not HTTP) is a 500.
     """
     answered = False
     try:
         if upcall.kind == "intercept":
-            answered = _intercept_answer(plane, upcall, await _run_intercept(upcall, intercept))
+            outcome = await _run_intercept(upcall, intercept)
+            try:
+                _intercept_answer(plane, upcall, outcome)
+            except (TypeError, ValueError, OverflowError) as exc:  # not bytes, or a status out of range
+                log.exception("the intercept callback's answer is unusable")
+                _answer(plane.reject, upcall.id, 500, f"interceptor answered unusably: {exc}")
         else:
             status, headers, body = await _run_app(plane, upcall, app)
-            answered = True
-            _answer(plane.respond, upcall.id, status, headers, body)
+            try:
+                _answer(plane.respond, upcall.id, status, headers, body)
+            except (TypeError, ValueError, OverflowError) as exc:  # a 1xx, a header that is not HTTP
+                log.exception("the app's response to %s %s is unusable", upcall.method, upcall.path)
+                error = orjson.dumps({"error": f"unusable response: {exc}"})
+                _answer(plane.respond, upcall.id, 500, [(b"content-type", b"application/json")], error)
+        answered = True
     finally:
         if not answered:  # cancelled (the control plane stops) or a bug above
             if upcall.kind == "intercept":
@@ -124,13 +136,12 @@ async def _run_intercept(upcall: Upcall, intercept: Intercept | None) -> bytes |
         return HTTPError(500, f"interceptor failed: {type(exc).__name__}: {exc}")
 
 
-def _intercept_answer(plane: DataPlane, upcall: Upcall, outcome: bytes | None | HTTPError) -> bool:
+def _intercept_answer(plane: DataPlane, upcall: Upcall, outcome: bytes | None | HTTPError) -> None:
     if isinstance(outcome, HTTPError):
         status = outcome.status if 400 <= outcome.status <= 599 else 500
         _answer(plane.reject, upcall.id, status, outcome.reason)
     else:
         _answer(plane.resume, upcall.id, outcome)
-    return True
 
 
 async def _run_app(plane: DataPlane, upcall: Upcall, app: App | None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:

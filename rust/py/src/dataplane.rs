@@ -95,9 +95,8 @@ fn intercept_of(value: &Bound<'_, PyAny>) -> PyResult<Intercept> {
     if value.is_instance_of::<pyo3::types::PyString>() {
         return Err(PyTypeError::new_err("intercept must be a bool or a list of protocol names, not a str"));
     }
-    let names: Vec<String> = value
-        .extract()
-        .map_err(|_| PyTypeError::new_err("intercept must be a bool or a list of protocol names"))?;
+    let names: Vec<String> =
+        value.extract().map_err(|_| PyTypeError::new_err("intercept must be a bool or a list of protocol names"))?;
     Ok(Intercept::Protocols(names))
 }
 
