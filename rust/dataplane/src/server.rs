@@ -247,9 +247,11 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
         }
     };
     // Interception: the control plane may change the body (forwarded and
-    // recorded as changed) or refuse the call, before it begins.
+    // recorded as changed) or refuse the call, before it begins.  A changed
+    // body is parsed as the agent's was just above: keep the two in step.
     let (body, parsed) = if sh.upcalls.intercepts(pid) {
-        match crate::upcall::intercept(&sh, &rollout, &spec, body, parsed).await {
+        let reparse = |b: &[u8]| spec.parse(b);
+        match crate::upcall::intercept(&sh, &rollout, &spec, body, parsed, reparse).await {
             Ok(forward) => forward,
             Err(response) => return response,
         }

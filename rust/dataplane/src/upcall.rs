@@ -200,7 +200,9 @@ mod plane_side {
     use super::{AnswerError, Pending, UpcallKind};
     use crate::body::{read_limited, BodyError, ResBody};
     use crate::error::ConfigError;
-    use crate::protocol::{error_body, ErrorFlavour, ParsedRequest, ProtocolId, ProtocolSpec, ProtocolTable};
+    use crate::protocol::{
+        error_body, BadRequest, ErrorFlavour, ParsedRequest, ProtocolId, ProtocolSpec, ProtocolTable,
+    };
     use crate::rollouts::Rollout;
     use crate::server::Shared;
     use crate::sync::lock;
@@ -536,13 +538,15 @@ mod plane_side {
     }
 
     /// An intercepted call: hand its body to the control plane, then the
-    /// body to forward with its parse, or the response that ends the call.
+    /// body to forward with its parse (`reparse`, the handler's own parse, of
+    /// a changed body), or the response that ends the call.
     pub(crate) async fn intercept(
         sh: &Shared,
         rollout: &Arc<Rollout>,
         spec: &ProtocolSpec,
         body: Bytes,
         parsed: ParsedRequest,
+        reparse: impl Fn(&[u8]) -> Result<ParsedRequest, BadRequest>,
     ) -> Result<(Bytes, ParsedRequest), Response<ResBody>> {
         let upcall = Upcall {
             id: 0,
@@ -557,7 +561,7 @@ mod plane_side {
         let refused = || sh.counters.refused.fetch_add(1, Ordering::Relaxed);
         match sh.upcalls.ask(Some(rollout), upcall).await {
             Answer::Resume(None) => Ok((body, parsed)),
-            Answer::Resume(Some(new)) => match spec.parse(&new) {
+            Answer::Resume(Some(new)) => match reparse(&new) {
                 Ok(p) => Ok((new, p)),
                 Err(bad) => {
                     refused();
