@@ -8,8 +8,8 @@ release whatever the allocator does.  All byte figures are bytes; ages are
 seconds.
 """
 
-from collections.abc import Iterable, Mapping
-from typing import Any, Self, final
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal, Self, final
 
 # typing_extensions, not collections.abc: Buffer is in collections.abc from 3.12
 # only, and the package supports 3.11.  A stub is never imported, so this is
@@ -33,6 +33,7 @@ __all__ = [
     "InterceptView",
     "DataPlane",
     "TurnRecord",
+    "Upcall",
     "DTYPES",
 ]
 
@@ -333,6 +334,51 @@ class TurnRecord:
     def duration_s(self) -> float: ...
 
 @final
+class Upcall:
+    """A request the :class:`DataPlane` hands to the control plane and waits
+    on (``lowwater.interception.upcalls.serve_upcalls`` serves them).
+
+    Answer an ``"intercept"`` upcall with :meth:`DataPlane.resume` or
+    :meth:`DataPlane.reject`, a ``"route"`` upcall with
+    :meth:`DataPlane.respond`.  Until answered the agent's call waits (it is
+    answered 410 if its rollout is unregistered, 503 if the plane closes, and
+    dropped if its client leaves).
+
+    Attributes:
+        id: pass to the answer.
+        kind: ``"intercept"`` (a model call before forwarding) or ``"route"``
+            (a request to one of the plane's ``python_routes``).
+        rollout_id: the intercepted call's rollout (``None`` for a route).
+        request_id: the intercepted call's id, its record's ``request_id`` (``None``
+            for a route).
+        protocol: the intercepted call's protocol name (``None`` for a route).
+        method: the HTTP method (``"POST"`` for an intercepted call).
+        path: the path with its query string, as sent (percent-escapes kept).
+        headers: the request's headers as ``(name, value)`` byte pairs, names
+            lower-case (empty for an intercepted call).
+        body: the request's body (an intercepted call's validated JSON).
+    """
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def kind(self) -> Literal["intercept", "route"]: ...
+    @property
+    def rollout_id(self) -> str | None: ...
+    @property
+    def request_id(self) -> str | None: ...
+    @property
+    def protocol(self) -> str | None: ...
+    @property
+    def method(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]: ...
+    @property
+    def body(self) -> bytes: ...
+
+@final
 class DataPlane:
     """The interception data plane (crate ``rust/dataplane``, docs/dataplane.md):
     an HTTP/1.1 server on its own tokio runtime that authenticates each model
@@ -391,10 +437,23 @@ class DataPlane:
             forwarded as sent; a body with nothing to change is forwarded
             unchanged.  Records keep the agent's messages.
 
+        intercept: hand model calls to the control plane after validation
+            and before forwarding, as ``"intercept"`` :class:`Upcall` s:
+            ``True`` (every protocol), a list of protocol names, or
+            ``False``/``None`` (the default: no call waits on Python).
+        python_routes: path prefixes (each starting with ``/``; ``"/"``
+            catches every path) whose requests, when no protocol route
+            matches, are handed to the control plane as ``"route"``
+            :class:`Upcall` s (any method; body under ``max_body_bytes``).
+            Empty (the default): such requests are 404.
+
     Raises:
         DataPlaneConfigError: an unusable configuration (see the exception),
             including a bad protocol table (an unknown flavour or field kind,
             not exactly one terminal rule, two protocols with one name or path).
+            Also an ``intercept`` name no protocol has or a ``python_routes``
+            prefix not starting with ``/``.
+        TypeError: ``intercept`` neither a bool nor a list of names.
         ValueError: a negative or non-finite duration.
         TypeError: ``rewrites`` not shaped as above.
         OverflowError: a negative count or a port over 65535.
@@ -422,6 +481,8 @@ class DataPlane:
         table: InterceptTable | None = None,
         protocols: list[dict[str, Any]] | None = None,
         rewrites: Mapping[str, Mapping[str, Mapping[str, str | tuple[str, tuple[str, ...]]]]] | None = None,
+        intercept: bool | Sequence[str] | None = None,
+        python_routes: Sequence[str] = ...,
     ) -> Self: ...
     @property
     def protocols(self) -> list[dict[str, Any]]:
@@ -476,7 +537,10 @@ class DataPlane:
         Every call of the rollout not cancelled has its record queued when
         this returns.
 
-        Returns the number of in-flight calls cancelled.
+        Its upcalls waiting for an answer are answered 410 as well, and a
+        later :meth:`resume`/:meth:`reject` of them returns False.
+
+        Returns the number of in-flight calls and waiting upcalls cancelled.
 
         Raises:
             KeyError: ``rollout_id`` is not open.
@@ -527,14 +591,65 @@ class DataPlane:
         ``closed``, ``disconnected``, ``refused``; ``intercepts`` and
         ``intercept_bytes``: request bodies held in :attr:`table` now;
         ``upstream_requests`` and ``upstream_retried``: attempts sent
-        upstream since start, and of those the retries.
+        upstream since start, and of those the retries;
+        ``pending_upcalls`` (upcalls waiting for an answer) and the counter
+        ``upcalls`` (made since start).
 
         Raises:
             DataPlaneClosed: after :meth:`close`.
         """
+    def upcall_fd(self) -> int:
+        """An fd that is readable while upcalls wait to be drained (owned by
+        the plane: do not close it; closed by :meth:`close`).
+
+        Raises:
+            DataPlaneClosed: after :meth:`close`.
+        """
+    def drain_upcalls(self) -> list[Upcall]:
+        """Every queued upcall still waiting, oldest first (clears the fd
+        first, so no wakeup is lost).  One whose client left or whose rollout
+        was unregistered meanwhile is not returned.
+
+        Raises:
+            DataPlaneClosed: after :meth:`close`.
+        """
+    def resume(self, id: int, body: bytes | None = None) -> bool:
+        """Forward intercepted call ``id``: the agent's bytes (``None``) or
+        ``body``, which the plane validates again with the call's protocol
+        (a 400 naming the problem if it does not pass) and which the turn
+        records (its messages delta is of ``body``).  False if the upcall no
+        longer waits (answered, unregistered, its client left, closed).
+
+        Raises:
+            ValueError: ``id`` is a route upcall.
+            DataPlaneClosed: after :meth:`close`.
+        """
+    def reject(self, id: int, status: int, message: str) -> bool:
+        """Refuse intercepted call ``id``: the agent gets ``status`` with
+        ``message`` in the protocol's error body; nothing is forwarded or
+        recorded.  False if the upcall no longer waits.
+
+        Raises:
+            ValueError: ``status`` outside 400-599, or ``id`` is a route upcall.
+            OverflowError: ``status`` outside 0-65535.
+            DataPlaneClosed: after :meth:`close`.
+        """
+    def respond(self, id: int, status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes = ...) -> bool:
+        """Answer route upcall ``id`` with ``status``, ``headers`` (byte
+        pairs; ``content-length``, ``transfer-encoding`` and ``connection``
+        are dropped: the plane frames the body) and ``body``.  False if the
+        upcall no longer waits.
+
+        Raises:
+            ValueError: ``status`` outside 200-599, an invalid header name or
+                value, or ``id`` is an intercept upcall.
+            OverflowError: ``status`` outside 0-65535.
+            DataPlaneClosed: after :meth:`close`.
+        """
     def close(self) -> None:
-        """Stop serving, release held calls, stop the runtime and join its
-        threads (the GIL released meanwhile).  Idempotent."""
+        """Stop serving, answer waiting upcalls 503, release held calls,
+        stop the runtime and join its threads (the GIL released meanwhile).
+        Idempotent."""
     def __enter__(self) -> Self: ...
     def __exit__(self, exc_type: object, exc: object, tb: object, /) -> bool:
         """:meth:`close`."""

@@ -41,6 +41,7 @@ except a call an interceptor plugin failed on
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Sequence
 from typing import Any
@@ -48,14 +49,15 @@ from typing import Any
 import orjson
 import trio
 
-from lowwater._native import DataPlane, InterceptTable, TurnRecord
-from lowwater.http import MAX_JSON_DEPTH, App, nests_deeper
+from lowwater._native import DataPlane, InterceptTable, TurnRecord, Upcall
+from lowwater.http import MAX_JSON_DEPTH, App, HTTPError, Router, nests_deeper
 from lowwater.http.exposure import check_bind, public_address
 from lowwater.http.routes import normalise
 from lowwater.interception.dataplane import Fail, read_record, rewrites_for, serve_records
 from lowwater.interception.hooks import InterceptedCall, InterceptedResponse, Interceptors
 from lowwater.interception.protocols import Completion, Protocol, builtin_protocols
 from lowwater.interception.slots import Slot, SlotRegistry, new_secret
+from lowwater.interception.upcalls import serve_upcalls
 from lowwater.trajectory import Trajectory, Turn
 from lowwater.upstream.client import ModelClient
 
@@ -189,10 +191,10 @@ class InterceptionServer:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(serve_records, plane, self._on_record)
-                if self._mounts or self.interceptors is not None:
-                    from lowwater.interception.upcalls import serve_upcalls
-
-                    nursery.start_soon(serve_upcalls, plane, self._mounts, self._intercept)
+                if self._mounts or self._upcall_options().get("intercept"):
+                    nursery.start_soon(
+                        functools.partial(serve_upcalls, plane, app=self._mounted_app(), intercept=self._intercept)
+                    )
                 self.url = "http://" + public_address(host, plane.address, advertise)
                 task_status.started(self.url)
                 await trio.sleep_forever()
@@ -369,7 +371,16 @@ class InterceptionServer:
     async def _respond(interceptors: Interceptors, call: InterceptedCall, turn: Turn) -> None:
         await interceptors.response(call, InterceptedResponse.of(_completion_of(turn)))
 
-    async def _intercept(self, request_id: str, rollout_id: str, protocol: str, body: bytes) -> bytes | None:
+    def _mounted_app(self) -> App | None:
+        """The mounted apps as one ASGI app, dispatched by prefix."""
+        if not self._mounts:
+            return None
+        router = Router(error_body=_error_body)
+        for prefix, app in self._mounts:
+            router.mount(prefix, app)
+        return router.dispatch
+
+    async def _intercept(self, upcall: Upcall) -> bytes | None:
         """Run the ``intercept_request`` hooks on one call's body; the bytes to
         forward (what the last hook left), or ``None`` to forward the agent's.
 
@@ -378,13 +389,12 @@ class InterceptionServer:
                 or 500 naming the plugin whose hook failed; 400 if what the
                 hooks left cannot be encoded.
         """
-        from lowwater.http import HTTPError
-
         interceptors = self.interceptors
         if interceptors is None or not interceptors.requests:
             return None
-        payload = orjson.loads(body)  # the plane validated it: a JSON object
-        call = InterceptedCall(rollout_id, protocol, payload)
+        payload = orjson.loads(upcall.body)  # the plane validated it: a JSON object
+        rollout_id, request_id = upcall.rollout_id or "", upcall.request_id or ""
+        call = InterceptedCall(rollout_id, upcall.protocol or "", payload)
         await interceptors.request(call)
         try:
             forward = orjson.dumps(call.body)
@@ -394,6 +404,11 @@ class InterceptionServer:
         if interceptors.responses and slot is not None and not slot.closed:
             self._intercepted[request_id] = call
         return forward
+
+
+def _error_body(scope: Any, err: HTTPError) -> Any:
+    """A mounted app's error in OpenAI's shape (no protocol owns those paths)."""
+    return Protocol().error_body(err.status, err.reason)
 
 
 def _completion_of(turn: Turn) -> Completion:

@@ -17,6 +17,8 @@ pub enum ConfigError {
     /// A request rewrite rule whose value is not JSON, or for a protocol the
     /// table does not have.
     Rewrite(String),
+    /// An upcall option names no protocol, or a Python route prefix is not a path.
+    Upcall(String),
 }
 
 impl fmt::Display for ConfigError {
@@ -29,6 +31,7 @@ impl fmt::Display for ConfigError {
             ConfigError::Protocol(why) => write!(f, "bad protocol table: {why}"),
             ConfigError::Limit(name) => write!(f, "{name} must be positive"),
             ConfigError::Rewrite(why) => write!(f, "bad request rewrite: {why}"),
+            ConfigError::Upcall(why) => write!(f, "bad upcall option: {why}"),
         }
     }
 }

@@ -19,13 +19,16 @@
 //! | 401 | missing or unknown secret, or keys of two rollouts (`connection: close`: the body is not read) |
 //! | 404 / 405 | no such route / not a POST (with `allow: POST`); `/v1/models` not a GET (`allow: GET`) |
 //! | 408 | the body not all received within [`Config::body_read_timeout`] (`connection: close`) |
-//! | 410 | the rollout was closed before or during the call (a stream under way gets an error event instead) |
+//! | 410 | the rollout was closed before or during the call, or while an upcall of it waited (a stream under way gets an error event instead) |
 //! | 413 | body over [`Config::max_body_bytes`] (the rest is drained first) |
 //! | upstream's | the upstream's answer, passed on (429 with its `retry-after`) |
+//! | control plane's | an intercepted call rejected ([`Upcalls::reject`], 400-599), a Python route's answer ([`Upcalls::respond`]) |
+//! | 503 | the plane closing while an upcall waits, or an upcall asked after ([`Upcalls::close`]) |
 //! | 502 | upstream unreachable, 5xx after retries, an answer cut or too large |
 //! | 504 | upstream timeout |
 //!
-//! None is a 500; error bodies have the protocol's shape.
+//! The plane itself never answers 500 (an interceptor's reject may); error
+//! bodies have the protocol's shape.
 //!
 //! # Allocator
 //!
@@ -85,9 +88,13 @@ pub mod rollouts;
 mod server;
 #[cfg(not(loom))]
 pub mod sse;
+pub mod upcall;
 #[cfg(not(loom))]
 mod upstream;
 
+/// The byte buffer of the control API's bodies (the `bytes` crate's).
+#[cfg(not(loom))]
+pub use bytes::Bytes;
 #[cfg(not(loom))]
 pub use error::{ConfigError, RegisterError};
 /// The intercept table the plane holds request bodies in (from `lowwater-core`).
@@ -103,6 +110,8 @@ pub use queue::{CompletionQueue, RequestDelta, Timings, TurnRecord, Verdict};
 pub use rewrite::Rewrites;
 #[cfg(not(loom))]
 pub use rollouts::RolloutTable;
+#[cfg(not(loom))]
+pub use upcall::{AnswerError, Intercept, Upcall, UpcallKind, Upcalls};
 
 /// The data plane's allocator, for the final artifact's `#[global_allocator]`
 /// (see the crate docs' Allocator section).

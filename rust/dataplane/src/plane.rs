@@ -16,6 +16,7 @@ use crate::queue::CompletionQueue;
 use crate::rewrite::Rewrites;
 use crate::rollouts::RolloutTable;
 use crate::server::{accept_loop, Counters, Shared};
+use crate::upcall::{Intercept, Upcalls};
 use crate::upstream::Upstream;
 
 /// How the data plane runs.  [`Config::new`] gives the Python server's defaults.
@@ -63,6 +64,15 @@ pub struct Config {
     pub table: Option<Arc<InterceptTable>>,
     /// Request rewrites by protocol name (none): see [`Rewrites`].
     pub rewrites: HashMap<String, Rewrites>,
+    /// Which protocols' calls are handed to the control plane before
+    /// forwarding, as intercept upcalls (off: no call waits on Python).
+    pub intercept: Intercept,
+    /// Path prefixes (each starting with `/`; `"/"` catches every path)
+    /// whose requests, when no protocol route matches, are handed to the
+    /// control plane as route upcalls; empty (the default): those are 404.
+    /// A prefix matches by whole segments: `/lowwater/` (or `/lowwater`)
+    /// takes `/lowwater` and `/lowwater/stats`, not `/lowwaterx`.
+    pub python_routes: Vec<String>,
 }
 
 impl std::fmt::Debug for Config {
@@ -112,6 +122,8 @@ impl Config {
             worker_threads: 2,
             table: None,
             rewrites: HashMap::new(),
+            intercept: Intercept::Off,
+            python_routes: Vec::new(),
         }
     }
 }
@@ -175,7 +187,8 @@ pub struct Stats {
     pub closed: u64,
     /// Streams whose client left before the end (not recorded).
     pub disconnected: u64,
-    /// Calls refused before forwarding (400, 401, 413; not recorded).
+    /// Calls refused before forwarding (400, 401, 413, an interceptor's
+    /// reject; not recorded).
     pub refused: u64,
     /// Request bodies held in the intercept table now (equals the calls
     /// between their body's read and their end).
@@ -186,6 +199,10 @@ pub struct Stats {
     pub upstream_requests: u64,
     /// Of those, retries (after a connect error, 429 or 5xx).
     pub upstream_retried: u64,
+    /// Upcalls waiting for the control plane's answer (0 at rest).
+    pub pending_upcalls: usize,
+    /// Upcalls made (intercept and route).
+    pub upcalls: u64,
 }
 
 /// A running data plane: its own tokio runtime, listener and tables.
@@ -226,6 +243,7 @@ impl DataPlane {
         }
         let upstream = Upstream::new(&config)?;
         let rewrites = rewrites_by_id(&config.protocols, config.rewrites)?;
+        let upcalls = Upcalls::new(&config.protocols, &config.intercept, &config.python_routes)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.worker_threads)
             .thread_name("lowwater-dataplane")
@@ -255,6 +273,7 @@ impl DataPlane {
             hold_for_ack: config.hold_for_ack,
             rewrites,
             counters: Counters::default(),
+            upcalls,
         });
         let (stop, stopped) = oneshot::channel();
         runtime.spawn(accept_loop(Arc::clone(&shared), listener, stopped));
@@ -292,17 +311,29 @@ impl DataPlane {
 
     /// Close a rollout, cancelling its in-flight calls (see
     /// [`RolloutTable::unregister`]); `None` if it was not open.
+    ///
+    /// Its upcalls waiting for an answer are answered 410 too (counted in
+    /// the result), and a later answer to them is a no-op.
     pub fn unregister(&self, rollout_id: &str) -> Option<usize> {
+        let rollout = self.shared.rollouts.get(rollout_id);
         let cancelled = self.shared.rollouts.unregister(rollout_id);
         // After the cancel: a call that raced it to an insert either sees the
         // rollout closed or has its body swept here.
         self.shared.table.close_rollout(rollout_id);
-        cancelled
+        let cancelled = cancelled?;
+        // After the close: an upcall inserted later sees the rollout closed.
+        let upcalls = rollout.map_or(0, |r| self.shared.upcalls.cancel_rollout(&r));
+        Some(cancelled + upcalls)
     }
 
     /// The intercept table holding the in-flight calls' request bodies.
     pub fn table(&self) -> &Arc<InterceptTable> {
         &self.shared.table
+    }
+
+    /// The upcalls: their wakeup fd, drain, and the answers.
+    pub fn upcalls(&self) -> &Upcalls {
+        &self.shared.upcalls
     }
 
     /// The completion queue: wakeup fd, drain, ack.
@@ -338,6 +369,8 @@ impl DataPlane {
             intercept_bytes: sh.table.stats().bytes,
             upstream_requests: get(&sh.upstream.requests),
             upstream_retried: get(&sh.upstream.retried),
+            pending_upcalls: sh.upcalls.pending(),
+            upcalls: sh.upcalls.total(),
         }
     }
 
@@ -355,6 +388,7 @@ impl DataPlane {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
+        self.shared.upcalls.close();
         self.shared.queue.release_all();
         if let Some(rt) = self.runtime.take() {
             rt.shutdown_timeout(timeout);
@@ -365,6 +399,7 @@ impl DataPlane {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
+        self.shared.upcalls.close();
         self.shared.queue.release_all();
         if let Some(rt) = self.runtime.take() {
             rt.shutdown_background();

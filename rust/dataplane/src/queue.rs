@@ -240,7 +240,7 @@ impl CompletionQueue {
 }
 
 #[cfg(target_os = "linux")]
-fn wakeup_fd() -> std::io::Result<(OwnedFd, Option<OwnedFd>)> {
+pub(crate) fn wakeup_fd() -> std::io::Result<(OwnedFd, Option<OwnedFd>)> {
     // SAFETY: plain syscall; the fd is checked before it is owned.
     let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
     if fd < 0 {
@@ -251,7 +251,7 @@ fn wakeup_fd() -> std::io::Result<(OwnedFd, Option<OwnedFd>)> {
 }
 
 #[cfg(not(target_os = "linux"))]
-fn wakeup_fd() -> std::io::Result<(OwnedFd, Option<OwnedFd>)> {
+pub(crate) fn wakeup_fd() -> std::io::Result<(OwnedFd, Option<OwnedFd>)> {
     let mut fds = [0; 2];
     // SAFETY: `fds` has room for the two fds pipe writes.
     if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {

@@ -83,6 +83,8 @@ pub(crate) struct Shared {
     /// Request rewrites by protocol id (`None`: forward the agent's bytes).
     pub(crate) rewrites: Vec<Option<Rewrites>>,
     pub(crate) counters: Counters,
+    /// Upcalls to the control plane (src/upcall.rs).
+    pub(crate) upcalls: crate::upcall::Upcalls,
 }
 
 /// A gauge held up while this lives (a connection, a call's task).
@@ -209,6 +211,9 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
         return crate::models::answer(&sh, &req);
     }
     let Some((pid, spec)) = sh.protocols.route(req.uri().path()) else {
+        if sh.upcalls.routes_to_python(req.uri().path()) {
+            return crate::upcall::route(&sh, req).await;
+        }
         return closing(error(ErrorFlavour::OpenAi, 404, &format!("no route {}", req.uri().path())));
     };
     let spec = Arc::clone(spec);
@@ -262,13 +267,27 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
             return error(spec.flavour, 400, &bad.0);
         }
     };
+    // Interception: the control plane may change the body (forwarded and
+    // recorded as changed) or refuse the call, before it begins.  A changed
+    // body is parsed as the agent's was just above: keep the two in step.
+    // The call's id from here: an intercept upcall carries it, as its record will.
+    let n = sh.next_request.fetch_add(1, Ordering::Relaxed);
+    let request_id: Arc<str> = Arc::from(format!("{}{n}", sh.request_prefix));
+    let (body, parsed) = if sh.upcalls.intercepts(pid) {
+        // A hook's body is rewritten like the agent's: keep its spans too.
+        let reparse = |b: &[u8]| if rewriting { spec.parse_keeping_spans(b) } else { spec.parse(b) };
+        match crate::upcall::intercept(&sh, &rollout, &spec, &request_id, body, parsed, reparse).await {
+            Ok(forward) => forward,
+            Err(response) => return response,
+        }
+    } else {
+        (body, parsed)
+    };
     let (cancel_tx, cancel_rx) = oneshot::channel();
     let Ok(id) = rollout.calls.begin(cancel_tx) else {
         bump(&sh.counters.closed);
         return error(spec.flavour, 410, &format!("rollout {} was closed", rollout.id));
     };
-    let n = sh.next_request.fetch_add(1, Ordering::Relaxed);
-    let request_id = format!("{}{n}", sh.request_prefix);
     let insert = || Held::insert(&sh.table, &request_id, &rollout.id, &spec.name, parsed.stream, &body);
     // A large copy (up to 64 MiB, ~10 ms) must not stall the other calls on
     // this worker thread: block_in_place hands them to another worker first.

@@ -123,3 +123,116 @@ fn client_leaving_racing_unregister() {
         assert_eq!(calls.in_flight(), 0);
     });
 }
+
+// --- upcalls (src/upcall.rs) ------------------------------------------------------
+
+mod upcalls {
+    use loom::sync::atomic::{AtomicBool, Ordering};
+    use loom::sync::{Arc, Mutex};
+    use loom::thread;
+    use lowwater_dataplane::lifecycle::Calls;
+    use lowwater_dataplane::upcall::{Pending, UpcallKind};
+
+    /// An upcall's answer channel: what reached the agent.
+    struct Sink(Arc<Mutex<Vec<&'static str>>>);
+
+    impl Sink {
+        fn send(self, what: &'static str) {
+            self.0.lock().unwrap().push(what);
+        }
+    }
+
+    const OWNER: usize = 1;
+
+    /// The handler's `ask`: insert, refuse itself if the rollout closed
+    /// meanwhile, else hand the id to the control plane (the mailbox).
+    fn ask(
+        pending: &Pending<Sink>,
+        rollout: &Calls<()>,
+        answers: &Arc<Mutex<Vec<&'static str>>>,
+        mailbox: &Mutex<Option<u64>>,
+    ) -> u64 {
+        let id = pending.insert(Some(OWNER), UpcallKind::Intercept, Sink(Arc::clone(answers))).unwrap();
+        if rollout.is_closed() {
+            if pending.forget(id) {
+                answers.lock().unwrap().push("gone (self)");
+            }
+        } else {
+            *mailbox.lock().unwrap() = Some(id);
+        }
+        id
+    }
+
+    /// `DataPlane::unregister`: close the rollout, then take its upcalls;
+    /// `done` once it returned.
+    fn unregister(pending: &Pending<Sink>, rollout: &Calls<()>, done: &AtomicBool) {
+        rollout.close();
+        for s in pending.take_owner(OWNER) {
+            s.send("gone");
+        }
+        done.store(true, Ordering::SeqCst);
+    }
+
+    /// The control plane: resume whatever it has seen.  A resume begun after
+    /// `unregister` returned must find nothing (it is a no-op returning False).
+    fn resume(pending: &Pending<Sink>, mailbox: &Mutex<Option<u64>>, done: &AtomicBool) {
+        let later = done.load(Ordering::SeqCst);
+        let seen = *mailbox.lock().unwrap();
+        if let Some(id) = seen {
+            if let Some(s) = pending.take(id, UpcallKind::Intercept).unwrap() {
+                assert!(!later, "an upcall of an unregistered rollout was still waiting");
+                s.send("resumed");
+            }
+        }
+    }
+
+    #[test]
+    fn resume_racing_unregister_gives_exactly_one_answer() {
+        super::model(None, || {
+            let pending = Arc::new(Pending::<Sink>::new());
+            let rollout = Arc::new(Calls::<()>::new());
+            let answers = Arc::new(Mutex::new(Vec::new()));
+            let mailbox = Arc::new(Mutex::new(None));
+            let done = Arc::new(AtomicBool::new(false));
+            let (p, r, d) = (Arc::clone(&pending), Arc::clone(&rollout), Arc::clone(&done));
+            let closer = thread::spawn(move || unregister(&p, &r, &d));
+            let (p, m, d) = (Arc::clone(&pending), Arc::clone(&mailbox), Arc::clone(&done));
+            let python = thread::spawn(move || resume(&p, &m, &d));
+            ask(&pending, &rollout, &answers, &mailbox);
+            closer.join().unwrap();
+            python.join().unwrap();
+            // Python may have looked before the id was published: a second
+            // look, after unregister returned, must find nothing.
+            resume(&pending, &mailbox, &done);
+            let got = answers.lock().unwrap().clone();
+            assert_eq!(got.len(), 1, "exactly one answer reaches the agent: {got:?}");
+            assert!(pending.is_empty(), "the entry is always removed");
+        });
+    }
+
+    #[test]
+    fn a_client_leaving_racing_resume_and_unregister_leaves_nothing() {
+        super::model(None, || {
+            let pending = Arc::new(Pending::<Sink>::new());
+            let rollout = Arc::new(Calls::<()>::new());
+            let answers = Arc::new(Mutex::new(Vec::new()));
+            let mailbox = Arc::new(Mutex::new(None));
+            let done = Arc::new(AtomicBool::new(false));
+            let (p, r, d) = (Arc::clone(&pending), Arc::clone(&rollout), Arc::clone(&done));
+            let closer = thread::spawn(move || unregister(&p, &r, &d));
+            let (p, m, d) = (Arc::clone(&pending), Arc::clone(&mailbox), Arc::clone(&done));
+            let python = thread::spawn(move || resume(&p, &m, &d));
+            let id = ask(&pending, &rollout, &answers, &mailbox);
+            // The client leaves: the handler's guard forgets the upcall.
+            let forgot = pending.forget(id);
+            closer.join().unwrap();
+            python.join().unwrap();
+            let got = answers.lock().unwrap().clone();
+            assert!(got.len() <= 1, "{got:?}");
+            if forgot {
+                assert!(got.is_empty(), "nobody answered an upcall its handler forgot: {got:?}");
+            }
+            assert!(pending.is_empty());
+        });
+    }
+}

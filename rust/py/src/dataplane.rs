@@ -12,10 +12,13 @@ use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
 use lowwater_core::InterceptTable as CoreTable;
-use lowwater_dataplane::{Config, DataPlane as Plane, ProtocolTable, RegisterError, Rewrites, RolloutOptions, StartError};
+use lowwater_dataplane::{
+    AnswerError, Config, DataPlane as Plane, Intercept, ProtocolTable, RegisterError, Rewrites, RolloutOptions,
+    StartError,
+};
 use pyo3::exceptions::{PyKeyError, PyOSError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyMapping, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyMapping, PyTuple};
 
 use crate::errors::{guarded, DataPlaneClosed, DataPlaneConfigError, DuplicateRollout, DuplicateSecret};
 use crate::intercept::InterceptTable;
@@ -128,6 +131,47 @@ impl TurnRecord {
     }
 }
 
+fn answer_error(err: AnswerError) -> PyErr {
+    PyValueError::new_err(err.to_string())
+}
+
+/// `intercept=`: a bool (every protocol or none) or protocol names.
+fn intercept_of(value: &Bound<'_, PyAny>) -> PyResult<Intercept> {
+    if let Ok(b) = value.cast::<PyBool>() {
+        return Ok(if b.is_true() { Intercept::All } else { Intercept::Off });
+    }
+    if value.is_instance_of::<pyo3::types::PyString>() {
+        return Err(PyTypeError::new_err("intercept must be a bool or a list of protocol names, not a str"));
+    }
+    let names: Vec<String> =
+        value.extract().map_err(|_| PyTypeError::new_err("intercept must be a bool or a list of protocol names"))?;
+    Ok(Intercept::Protocols(names))
+}
+
+/// One request the data plane hands to the control plane and waits on.
+#[pyclass(frozen, get_all, module = "lowwater")]
+pub struct Upcall {
+    id: u64,
+    kind: &'static str,
+    rollout_id: Option<String>,
+    request_id: Option<String>,
+    protocol: Option<String>,
+    method: String,
+    path: String,
+    headers: Py<PyList>,
+    body: Py<PyBytes>,
+}
+
+#[pymethods]
+impl Upcall {
+    fn __repr__(&self) -> String {
+        format!(
+            "Upcall(id={}, kind={:?}, rollout_id={:?}, protocol={:?}, method={:?}, path={:?})",
+            self.id, self.kind, self.rollout_id, self.protocol, self.method, self.path
+        )
+    }
+}
+
 /// The interception data plane: an HTTP server on its own tokio runtime.
 #[pyclass(frozen, module = "lowwater")]
 pub struct DataPlane {
@@ -183,6 +227,8 @@ impl DataPlane {
         table = None,
         protocols = None,
         rewrites = None,
+        intercept = None,
+        python_routes = Vec::new(),
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -205,6 +251,8 @@ impl DataPlane {
         table: Option<Py<InterceptTable>>,
         protocols: Option<Vec<WireSpec>>,
         rewrites: Option<&Bound<'_, PyAny>>,
+        intercept: Option<&Bound<'_, PyAny>>,
+        python_routes: Vec<String>,
     ) -> PyResult<Self> {
         guarded(|| {
             let mut config = Config::new(upstream);
@@ -231,6 +279,8 @@ impl DataPlane {
                 config.protocols =
                     ProtocolTable::new(specs).map_err(|e| DataPlaneConfigError::new_err(e.to_string()))?;
             }
+            config.intercept = intercept.map(intercept_of).transpose()?.unwrap_or_default();
+            config.python_routes = python_routes;
             let host = host.to_owned();
             // Name resolution and the runtime's start can block: GIL released.
             let plane = py.detach(move || -> PyResult<Plane> {
@@ -367,7 +417,57 @@ impl DataPlane {
         d.set_item("intercept_bytes", s.intercept_bytes)?;
         d.set_item("upstream_requests", s.upstream_requests)?;
         d.set_item("upstream_retried", s.upstream_retried)?;
+        d.set_item("pending_upcalls", s.pending_upcalls)?;
+        d.set_item("upcalls", s.upcalls)?;
         Ok(d)
+    }
+
+    fn upcall_fd(&self) -> PyResult<i32> {
+        self.with(|p| Ok(p.upcalls().wakeup_fd()))
+    }
+
+    fn drain_upcalls(&self, py: Python<'_>) -> PyResult<Vec<Upcall>> {
+        // Taken under the read lock, converted after it is dropped.
+        let upcalls = self.with(|p| Ok(p.upcalls().drain()))?;
+        guarded(|| {
+            upcalls
+                .into_iter()
+                .map(|u| {
+                    let headers = PyList::empty(py);
+                    for (k, v) in &u.headers {
+                        headers.append((PyBytes::new(py, k), PyBytes::new(py, v)))?;
+                    }
+                    Ok(Upcall {
+                        id: u.id,
+                        kind: u.kind.as_str(),
+                        rollout_id: u.rollout_id.map(|r| r.to_string()),
+                        request_id: u.request_id.map(|r| r.to_string()),
+                        protocol: u.protocol,
+                        method: u.method,
+                        path: u.path,
+                        headers: headers.unbind(),
+                        body: PyBytes::new(py, &u.body).unbind(),
+                    })
+                })
+                .collect()
+        })
+    }
+
+    #[pyo3(signature = (id, body = None))]
+    fn resume(&self, id: u64, body: Option<&[u8]>) -> PyResult<bool> {
+        let body = body.map(lowwater_dataplane::Bytes::copy_from_slice);
+        self.with(|p| p.upcalls().resume(id, body).map_err(answer_error))
+    }
+
+    fn reject(&self, id: u64, status: u16, message: &str) -> PyResult<bool> {
+        self.with(|p| p.upcalls().reject(id, status, message).map_err(answer_error))
+    }
+
+    #[pyo3(signature = (id, status, headers, body = b"".as_slice()))]
+    fn respond(&self, id: u64, status: u16, headers: Vec<(Vec<u8>, Vec<u8>)>, body: &[u8]) -> PyResult<bool> {
+        let pairs: Vec<(&[u8], &[u8])> = headers.iter().map(|(k, v)| (k.as_slice(), v.as_slice())).collect();
+        let body = lowwater_dataplane::Bytes::copy_from_slice(body);
+        self.with(|p| p.upcalls().respond(id, status, &pairs, body).map_err(answer_error))
     }
 
     fn close(&self, py: Python<'_>) -> PyResult<()> {
