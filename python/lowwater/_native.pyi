@@ -560,6 +560,15 @@ class DataPlane:
         Raises:
             DataPlaneClosed: after :meth:`close`.
         """
+    def set_intercept(self, intercept: bool | Sequence[str]) -> None:
+        """Switch which protocols' calls are intercepted (as the constructor's
+        ``intercept``), for the calls that reach their intercept step from now on.
+
+        Raises:
+            DataPlaneConfigError: a name no protocol has (nothing changed).
+            TypeError: neither a bool nor a list of names.
+            DataPlaneClosed: after :meth:`close`.
+        """
     def ack(self, seq: int) -> bool:
         """Release the held last bytes of record ``seq``; False if nothing
         waits on it (acked already, its client left, or not held).

@@ -105,8 +105,8 @@ class InterceptionServer:
             agent's request does not set them (:mod:`lowwater.interception.sampling`);
             read when :meth:`run` starts.
         interceptors: ``None``, or the plugins' interceptor hooks
-            (:meth:`lowwater.plugins.Plugins.interceptors`); read when
-            :meth:`run` starts.
+            (:meth:`lowwater.plugins.Plugins.interceptors`); may be set while
+            the server runs (the calls that start from then on see them).
 
     Raises:
         ValueError: two protocols share a name or a path, or one declares no wire format.
@@ -126,7 +126,7 @@ class InterceptionServer:
         self.max_body_bytes = max_body_bytes
         self.request_logprobs = request_logprobs
         self.sampling: dict[str, Any] = {}
-        self.interceptors: Interceptors | None = None
+        self._interceptors: Interceptors | None = None
         self.routes: dict[str, Protocol] = {}
         names: set[str] = set()
         for protocol in protocols if protocols is not None else builtin_protocols():
@@ -191,10 +191,11 @@ class InterceptionServer:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(serve_records, plane, self._on_record)
-                if self._mounts or self._upcall_options().get("intercept"):
-                    nursery.start_soon(
-                        functools.partial(serve_upcalls, plane, app=self._mounted_app(), intercept=self._intercept)
-                    )
+                # Always: interceptors may be set while the server runs (it
+                # waits on the plane's upcall fd, which is quiet until then).
+                nursery.start_soon(
+                    functools.partial(serve_upcalls, plane, app=self._mounted_app(), intercept=self._intercept)
+                )
                 self.url = "http://" + public_address(host, plane.address, advertise)
                 task_status.started(self.url)
                 await trio.sleep_forever()
@@ -236,6 +237,17 @@ class InterceptionServer:
             **self._upcall_options(),
             **options,
         )
+
+    @property
+    def interceptors(self) -> Interceptors | None:
+        return self._interceptors
+
+    @interceptors.setter
+    def interceptors(self, interceptors: Interceptors | None) -> None:
+        self._interceptors = interceptors
+        if self.plane is not None:
+            # Calls enter Python only while some plugin has a request hook.
+            self.plane.set_intercept(interceptors is not None and bool(interceptors.requests))
 
     def _upcall_options(self) -> dict[str, Any]:
         """What the plane hands to Python: calls for the request hooks, mounted routes."""

@@ -336,6 +336,15 @@ impl DataPlane {
         &self.shared.upcalls
     }
 
+    /// Switch which protocols' calls are intercepted from now on (see
+    /// [`Config::intercept`]).
+    ///
+    /// # Errors
+    /// [`ConfigError::Upcall`] for a name no protocol has (nothing changed).
+    pub fn set_intercept(&self, intercept: &Intercept) -> Result<(), ConfigError> {
+        self.shared.upcalls.set_intercept(&self.shared.protocols, intercept)
+    }
+
     /// The completion queue: wakeup fd, drain, ack.
     pub fn queue(&self) -> &CompletionQueue {
         &self.shared.queue

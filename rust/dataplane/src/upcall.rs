@@ -188,7 +188,7 @@ pub use plane_side::*;
 mod plane_side {
     use std::collections::VecDeque;
     use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     use std::sync::Arc;
 
     use bytes::Bytes;
@@ -266,8 +266,10 @@ mod plane_side {
         queue: std::sync::Mutex<VecDeque<Upcall>>,
         wakeup: OwnedFd,
         wakeup_write: Option<OwnedFd>,
-        /// By protocol id: whether its calls are intercepted.
-        intercept: Vec<bool>,
+        /// By protocol id: whether its calls are intercepted (switched at
+        /// run time by [`Upcalls::set_intercept`]: a control plane whose
+        /// plugins change while it serves).
+        intercept: Vec<AtomicBool>,
         routes: Vec<String>,
         total: AtomicU64,
     }
@@ -278,6 +280,27 @@ mod plane_side {
         }
     }
 
+    /// By protocol id: whether `intercept` covers its calls.
+    fn intercept_mask(protocols: &ProtocolTable, intercept: &Intercept) -> Result<Vec<bool>, ConfigError> {
+        let n = protocols.len();
+        let names: Vec<String> =
+            (0..n).map(|i| protocols.get(i as ProtocolId).map(|s| s.name.clone()).unwrap_or_default()).collect();
+        Ok(match intercept {
+            Intercept::Off => vec![false; n],
+            Intercept::All => vec![true; n],
+            Intercept::Protocols(want) => {
+                let mut mask = vec![false; n];
+                for w in want {
+                    let i = names.iter().position(|name| name == w).ok_or_else(|| {
+                        ConfigError::Upcall(format!("intercept names no protocol {w:?} (known: {names:?})"))
+                    })?;
+                    mask[i] = true;
+                }
+                mask
+            }
+        })
+    }
+
     impl Upcalls {
         /// The table for `protocols` with the plane's options.
         pub(crate) fn new(
@@ -285,23 +308,7 @@ mod plane_side {
             intercept: &Intercept,
             routes: &[String],
         ) -> Result<Self, crate::plane::StartError> {
-            let n = protocols.len();
-            let names: Vec<String> =
-                (0..n).map(|i| protocols.get(i as ProtocolId).map(|s| s.name.clone()).unwrap_or_default()).collect();
-            let mask = match intercept {
-                Intercept::Off => vec![false; n],
-                Intercept::All => vec![true; n],
-                Intercept::Protocols(want) => {
-                    let mut mask = vec![false; n];
-                    for w in want {
-                        let i = names.iter().position(|name| name == w).ok_or_else(|| {
-                            ConfigError::Upcall(format!("intercept names no protocol {w:?} (known: {names:?})"))
-                        })?;
-                        mask[i] = true;
-                    }
-                    mask
-                }
-            };
+            let mask = intercept_mask(protocols, intercept)?;
             for r in routes {
                 if !r.starts_with('/') {
                     return Err(ConfigError::Upcall(format!("python route prefix {r:?} must start with '/'")).into());
@@ -313,7 +320,7 @@ mod plane_side {
                 queue: std::sync::Mutex::new(VecDeque::new()),
                 wakeup,
                 wakeup_write,
-                intercept: mask,
+                intercept: mask.into_iter().map(AtomicBool::new).collect(),
                 // Kept without the trailing slash ("" for "/": every path).
                 routes: routes.iter().map(|r| r.trim_end_matches('/').to_owned()).collect(),
                 total: AtomicU64::new(0),
@@ -429,7 +436,20 @@ mod plane_side {
 
         /// Whether calls of protocol `pid` are intercepted.
         pub(crate) fn intercepts(&self, pid: ProtocolId) -> bool {
-            self.intercept.get(pid as usize).copied().unwrap_or(false)
+            self.intercept.get(pid as usize).is_some_and(|b| b.load(Ordering::Relaxed))
+        }
+
+        /// Switch interception for the calls that start from now on (a call
+        /// already past its intercept step is not affected).
+        ///
+        /// # Errors
+        /// [`ConfigError::Upcall`] for a name no protocol has (nothing changed).
+        pub fn set_intercept(&self, protocols: &ProtocolTable, intercept: &Intercept) -> Result<(), ConfigError> {
+            let mask = intercept_mask(protocols, intercept)?;
+            for (flag, on) in self.intercept.iter().zip(mask) {
+                flag.store(on, Ordering::Relaxed);
+            }
+            Ok(())
         }
 
         /// Whether `path` is under a Python route prefix: the prefix itself

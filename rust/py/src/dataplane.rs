@@ -382,6 +382,11 @@ impl DataPlane {
         })
     }
 
+    fn set_intercept(&self, intercept: &Bound<'_, PyAny>) -> PyResult<()> {
+        let intercept = intercept_of(intercept)?;
+        self.with(|p| p.set_intercept(&intercept).map_err(|e| DataPlaneConfigError::new_err(e.to_string())))
+    }
+
     fn ack(&self, seq: u64) -> PyResult<bool> {
         self.with(|p| Ok(p.queue().ack(seq)))
     }
