@@ -99,16 +99,24 @@ def test_an_answer_nesting_past_the_limit_is_recorded_as_an_error(tmp_path):
 
 
 def test_each_write_is_on_its_own(tmp_path, monkeypatch):
-    # Past intake (as a bug or a protocol plugin might let it): the write
+    # Past intake (as a bug or a protocol plugin might let it: the data plane
+    # refuses such a request, so the turn is made deep after it): the write
     # steps must still isolate the one bad rollout and session.
-    monkeypatch.setattr(server_module, "MAX_JSON_DEPTH", 10_000)
-    monkeypatch.setattr(server_module, "_ANSWER_DEPTH", 10_000)
+    read_record = server_module.read_record
+
+    def deep_for_bad(record, trajectory, protocols=None):
+        turn, verdict = read_record(record, trajectory, protocols)
+        if record.rollout_id.startswith("bad"):
+            turn.request_delta = orjson.loads(chat_nesting(300))["messages"]
+        return turn, verdict
+
+    monkeypatch.setattr(server_module, "read_record", deep_for_bad)
     results = {}
 
     async def fn(url, http):
         opened = {rid: await _open(http, url, rid) for rid in ("a", "bad", "b", "bad-open", "c")}
         for rid, o in opened.items():
-            content = chat_nesting(300) if rid.startswith("bad") else orjson.dumps(body("chat", f"hi {rid}"))
+            content = orjson.dumps(body("chat", f"hi {rid}"))
             assert (await _post(http, o, content)).status_code == 200
         r = await http.delete(f"{url}/lowwater/rollouts/bad")
         assert r.status_code == 500 and "rollout bad" in r.json()["error"], r.text

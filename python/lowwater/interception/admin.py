@@ -105,9 +105,6 @@ class Admin:
         self.trimmer = Trimmer(min_interval_s=0.0)  # trim_loop paces it
         self._write_lock = trio.Lock()
         self._dirty = trio.Event()
-        # Upstream connections pruned after a burst free memory without a
-        # close: they call for a trim too.
-        server.on_pruned = lambda closed: self._dirty.set()
         self._router = Router()
         self._router.add("GET", "/lowwater/stats", self._get_stats)
         self._router.add("GET", "/lowwater/rollouts", self._list_rollouts)
@@ -348,10 +345,6 @@ class Admin:
         entry, its connection's buffers) unless trimmed: after 16,384
         rollouts were closed the proxy stayed 600 MB over its baseline
         without this.
-
-        Upstream connections the interception server prunes after a burst
-        (idle past their keep-alive expiry) free memory without a close: the
-        server's ``on_pruned`` marks the proxy dirty as a close does.
         """
         while True:
             await self._dirty.wait()
@@ -360,13 +353,11 @@ class Admin:
             await trio.sleep(1.0)
 
     def stats(self) -> dict[str, Any]:
-        """The server's stats plus ``upstream`` (the model client's counters),
+        """The server's stats (its ``upstream`` counters included) plus
         ``sessions`` (the store's counts or ``None``), ``written``, ``trims``
         and ``rss_bytes`` (the process's current RSS)."""
-        upstream = self.server.upstream
         return {
             **self.server.stats(),
-            "upstream": upstream.stats() if upstream is not None else None,
             "sessions": self.store.stats() if self.store is not None else None,
             "written": self.written,
             "trims": self.trimmer.calls,

@@ -330,14 +330,17 @@ class InterceptionServer:
 
     def stats(self) -> dict[str, Any]:
         """``intercepts`` (the table's stats), ``open_rollouts``, ``waiting_handlers``
-        (calls being served now), ``calls`` (:attr:`calls`) and ``plane``
-        (the data plane's own stats, ``{}`` when not running)."""
+        (calls of open rollouts being served now), ``calls`` (:attr:`calls`),
+        ``upstream`` (``requests`` and ``retried``: attempts sent upstream
+        since start) and ``plane`` (the data plane's own stats, ``{}`` when
+        not running)."""
         plane = self.plane.stats() if self.plane is not None else {}
         return {
             "intercepts": self.table.stats(),
             "open_rollouts": len(self.slots),
-            "waiting_handlers": plane.get("active_calls", 0),
+            "waiting_handlers": plane.get("in_flight", 0),
             "calls": self.calls,
+            "upstream": {"requests": plane.get("upstream_requests", 0), "retried": plane.get("upstream_retried", 0)},
             "plane": plane,
         }
 

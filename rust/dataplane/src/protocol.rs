@@ -201,8 +201,10 @@ impl ProtocolTable {
         Ok(ProtocolTable { specs: specs.into_iter().map(Arc::new).collect() })
     }
 
-    /// The protocol serving `path` (exact match), if any.
+    /// The protocol serving `path` (exact match, trailing slashes ignored), if any.
     pub fn route(&self, path: &str) -> Option<(ProtocolId, &Arc<ProtocolSpec>)> {
+        // A trailing slash is the same route, as the Python router matched it.
+        let path = if path.len() > 1 { path.trim_end_matches('/') } else { path };
         self.specs.iter().enumerate().find(|(_, s)| s.path == path).map(|(i, s)| (i as ProtocolId, s))
     }
 
