@@ -80,19 +80,26 @@ def resting(proxy: Child, url: str, written: int) -> int:
     """The proxy's RSS at rest after a burst (bytes), once its counts say it holds nothing.
 
     At rest means: every rollout closed and written, the intercept table
-    empty, no handler waiting, and the idle upstream connections pruned
-    (after their 5 s keep-alive expiry); the proxy trims after the prune, at
-    most once a second, so the RSS is read after that trim had its chance.
+    empty, no call active and no agent connection left in the data plane,
+    and the idle upstream connections closed by the plane's pool (after
+    their 5 s idle timeout); the proxy trims after closes, at most once a
+    second, so the RSS is read after that trim had its chance.
     """
 
     def stats() -> dict:
         return httpx.get(f"{url}/lowwater/stats", timeout=30, headers=ADMIN).json()
 
-    s = wait_until(lambda: (s := stats())["upstream"]["connections_idle"] == 0 and s, "the upstream pool's prune")
+    def quiet() -> dict | bool:
+        s = stats()
+        return s["plane"]["active_calls"] == 0 and s["plane"]["connections"] <= 1 and s  # <= 1: this stats call's
+
+    s = wait_until(quiet, "the burst's calls and connections gone")
     assert (s["open_rollouts"], s["waiting_handlers"], s["written"]) == (0, 0, written), s
     table = s["intercepts"]
     assert (table["entries"], table["bytes"], table["live_bytes"], table["open_rollouts"]) == (0, 0, 0, 0), table
-    time.sleep(3.0)  # the trim loop's pass after the prune (it sleeps 1 s between passes)
+    # The upstream pool's idle timeout (5 s) closes the burst's upstream
+    # connections; then the trim loop's pass (it sleeps 1 s between passes).
+    time.sleep(8.0)
     samples = []
     for _ in range(3):
         samples.append(proxy.rss())

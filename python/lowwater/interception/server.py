@@ -225,7 +225,7 @@ class InterceptionServer:
                 "pool_idle_timeout_s": client.keepalive_expiry_s,
             }
         return DataPlane(
-            client.base_url if client is not None else _NO_UPSTREAM,
+            client.plane_url() if client is not None else _NO_UPSTREAM,
             host=host,
             port=port,
             max_body_bytes=self.max_body_bytes,
@@ -283,7 +283,11 @@ class InterceptionServer:
                 plane.register(slot.rollout_id, slot.secret, model=client.model)
             else:
                 plane.register(
-                    slot.rollout_id, slot.secret, upstream=client.base_url, api_key=client.api_key, model=client.model
+                    slot.rollout_id,
+                    slot.secret,
+                    upstream=client.plane_url(),
+                    api_key=client.api_key,
+                    model=client.model,
                 )
         except BaseException:
             self.slots.pop(slot.rollout_id)

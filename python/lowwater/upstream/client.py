@@ -171,9 +171,18 @@ class ModelClient:
             self._headers["x-api-key"] = api_key
         if basic is not None:
             self._headers["authorization"] = basic
+        # The URL as given, credentials included: what the interception data
+        # plane needs to send the same Basic header (never logged or shown).
+        self._credentialed_url = base_url.rstrip("/")
         self._urls: dict[str, httpx.URL] = {}
         self.requests = 0
         self.retried = 0
+
+    def plane_url(self) -> str:
+        """The base URL as given, ``user:password@`` included: for
+        :class:`lowwater._native.DataPlane`, which turns the credentials into
+        ``Authorization: Basic`` as this client does.  Never log it."""
+        return self._credentialed_url
 
     def url(self, path: str) -> str:
         """The upstream URL of an interception path such as ``/v1/chat/completions``."""

@@ -79,7 +79,8 @@ impl std::fmt::Debug for Config {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // The key is a credential: never in a debug print.
         f.debug_struct("Config")
-            .field("upstream", &self.upstream)
+            // A URL's `user:password@` is a credential too.
+            .field("upstream", &self.upstream.rsplit_once('@').map_or(self.upstream.as_str(), |(_, host)| host))
             .field("upstream_key", &self.upstream_key.as_ref().map(|_| "<redacted>"))
             .field("max_body_bytes", &self.max_body_bytes)
             .field("hold_for_ack", &self.hold_for_ack)

@@ -212,7 +212,9 @@ impl CompletionQueue {
         self.lock_acks().len()
     }
 
-    fn lock_acks(&self) -> std::sync::MutexGuard<'_, HashMap<u64, oneshot::Sender<Verdict>, foldhash::fast::RandomState>> {
+    fn lock_acks(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<u64, oneshot::Sender<Verdict>, foldhash::fast::RandomState>> {
         self.acks.lock().unwrap_or_else(PoisonError::into_inner)
     }
 

@@ -461,7 +461,9 @@ impl Call {
         let (status, bytes, err) = match read {
             // A 5xx left after the retries is the upstream failing: 502, as in
             // the Python server; the record keeps the upstream's body.
-            Ok(bytes) if status.is_server_error() => (502, bytes, Some(format!("upstream answered {}", status.as_u16()))),
+            Ok(bytes) if status.is_server_error() => {
+                (502, bytes, Some(format!("upstream answered {}", status.as_u16())))
+            }
             Ok(bytes) => (status.as_u16(), bytes, None),
             Err(e) => (e.status(), Bytes::new(), Some(e.reason())),
         };

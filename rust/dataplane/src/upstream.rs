@@ -97,8 +97,46 @@ fn check_url(url: &str) -> Result<(), ConfigError> {
     }
 }
 
+/// `url` without its `user:password@`, and the `Authorization: Basic`
+/// value of those credentials (percent-decoded, as a browser sends them).
+fn split_userinfo(url: &str) -> Result<(String, Option<HeaderValue>), ConfigError> {
+    let Some((scheme, rest)) = url.split_once("://") else { return Ok((url.to_owned(), None)) };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let Some(at) = rest[..authority_end].rfind('@') else { return Ok((url.to_owned(), None)) };
+    let userinfo = percent_decode(&rest[..at]);
+    let encoded = base64::Engine::encode(&base64::engine::general_purpose::STANDARD, userinfo);
+    let value = HeaderValue::from_str(&format!("Basic {encoded}"))
+        .map_err(|_| ConfigError::Upstream("the upstream URL's credentials cannot be sent".into()))?;
+    Ok((format!("{scheme}://{}", &rest[at + 1..]), Some(value)))
+}
+
+/// `%XX` escapes decoded to bytes (anything else kept as is).
+fn percent_decode(s: &str) -> Vec<u8> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        if b[i] == b'%' && i + 2 < b.len() {
+            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    out
+}
+
 impl Target {
     fn new(url: &str, key: Option<&str>) -> Result<Self, ConfigError> {
+        // A gateway behind HTTP basic auth: the credentials leave the URL (so
+        // they are never in a log line or an error) for an `Authorization:
+        // Basic` header, as the Python client sends them (RFC 7617).
+        let (url, basic) = split_userinfo(url)?;
+        let url = url.as_str();
         check_url(url)?;
         let mut headers = HeaderMap::new();
         headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
@@ -111,6 +149,9 @@ impl Target {
                 .map_err(|_| ConfigError::Upstream("the upstream key must be visible ASCII".into()))?;
             headers.insert(http::header::AUTHORIZATION, bearer);
             headers.insert("x-api-key", plain);
+        }
+        if let Some(basic) = basic {
+            headers.insert(http::header::AUTHORIZATION, basic);
         }
         Ok(Target { base: url.trim_end_matches('/').to_string(), headers })
     }
@@ -257,6 +298,20 @@ pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn credentials_in_the_url_become_a_basic_header() {
+        let (url, basic) = split_userinfo("http://us%40er:p%3Ass@host:8/v1").unwrap();
+        assert_eq!(url, "http://host:8/v1");
+        // base64("us@er:p:ss")
+        assert_eq!(basic.unwrap(), "Basic dXNAZXI6cDpzcw==");
+        let (url, basic) = split_userinfo("http://host:8/v1/a@b").unwrap();
+        assert_eq!((url.as_str(), basic), ("http://host:8/v1/a@b", None));
+        let t = Target::new("http://u:p@host:8/v1", Some("k")).unwrap();
+        assert_eq!(t.base, "http://host:8/v1");
+        assert_eq!(t.headers[http::header::AUTHORIZATION], "Basic dTpw");
+        assert_eq!(t.headers["x-api-key"], "k");
+    }
 
     #[test]
     fn retry_after_is_capped_and_only_for_429_503() {
