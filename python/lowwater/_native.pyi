@@ -560,6 +560,18 @@ class DataPlane:
         Raises:
             DataPlaneClosed: after :meth:`close`.
         """
+    def set_rewrites(
+        self, rewrites: Mapping[str, Mapping[str, Mapping[str, str | tuple[str, tuple[str, ...]]]]]
+    ) -> None:
+        """Replace the request rewrites (as the constructor's ``rewrites``), for
+        the calls that start from now on.
+
+        Raises:
+            DataPlaneConfigError: a value that is not JSON, an unknown rule
+                kind or protocol (nothing changed).
+            TypeError: a wrongly shaped mapping.
+            DataPlaneClosed: after :meth:`close`.
+        """
     def set_intercept(self, intercept: bool | Sequence[str]) -> None:
         """Switch which protocols' calls are intercepted (as the constructor's
         ``intercept``), for the calls that reach their intercept step from now on.

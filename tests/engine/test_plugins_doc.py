@@ -111,8 +111,9 @@ def test_register_protocols_example():
                     f"{slot.base_url}/completions", json={"model": "m", "prompt": "2+2="}, headers=headers
                 )
                 assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("echo ")
-                r = await http.post(f"{slot.base_url}/completions", json={"prompt": 1}, headers=headers)
-                assert r.status_code == 400 and r.json()["error"]["message"] == "prompt must be a string"
+                # Checked by the plane from the protocol's wire declaration.
+                r = await http.post(f"{slot.base_url}/completions", json={"model": "m", "prompt": 1}, headers=headers)
+                assert r.status_code == 400 and "prompt" in r.json()["error"]["message"], r.text
                 (turn,) = trajectory.turns
                 assert turn.protocol == "openai.completions" and turn.request_delta == ["2+2="]
                 server.unregister("r1")

@@ -103,7 +103,7 @@ class InterceptionServer:
         routes: protocol by path.
         sampling: sampling arguments added to every forwarded call where the
             agent's request does not set them (:mod:`lowwater.interception.sampling`);
-            read when :meth:`run` starts.
+            may be set while the server runs (the calls that start from then on get them).
         interceptors: ``None``, or the plugins' interceptor hooks
             (:meth:`lowwater.plugins.Plugins.interceptors`); may be set while
             the server runs (the calls that start from then on see them).
@@ -125,7 +125,7 @@ class InterceptionServer:
         self.table = table if table is not None else InterceptTable()
         self.max_body_bytes = max_body_bytes
         self.request_logprobs = request_logprobs
-        self.sampling: dict[str, Any] = {}
+        self._sampling: dict[str, Any] = {}
         self._interceptors: Interceptors | None = None
         self.routes: dict[str, Protocol] = {}
         names: set[str] = set()
@@ -231,12 +231,24 @@ class InterceptionServer:
             max_body_bytes=self.max_body_bytes,
             table=self.table,
             protocols=[p.data_plane_spec() for p in self.routes.values()],
-            rewrites=rewrites_for(
-                self.sampling, request_logprobs=self.request_logprobs, protocols=list(self.routes.values())
-            ),
+            rewrites=self._rewrites(),
             **self._upcall_options(),
             **options,
         )
+
+    def _rewrites(self) -> dict[str, dict[str, dict[str, Any]]]:
+        return rewrites_for(self._sampling, request_logprobs=self.request_logprobs, protocols=list(self.routes.values()))
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        return self._sampling
+
+    @sampling.setter
+    def sampling(self, sampling: dict[str, Any]) -> None:
+        # Encoded now: a value orjson cannot encode fails here, not on a call.
+        self._sampling = dict(sampling)
+        if self.plane is not None:
+            self.plane.set_rewrites(self._rewrites())
 
     @property
     def interceptors(self) -> Interceptors | None:

@@ -272,7 +272,7 @@ impl DataPlane {
             max_response_bytes: config.max_response_bytes,
             body_read_timeout: config.body_read_timeout,
             hold_for_ack: config.hold_for_ack,
-            rewrites,
+            rewrites: arc_swap::ArcSwap::from_pointee(rewrites),
             counters: Counters::default(),
             upcalls,
         });
@@ -335,6 +335,17 @@ impl DataPlane {
     /// The upcalls: their wakeup fd, drain, and the answers.
     pub fn upcalls(&self) -> &Upcalls {
         &self.shared.upcalls
+    }
+
+    /// Replace the request rewrites (see [`Config::rewrites`]) for the calls
+    /// that start from now on.
+    ///
+    /// # Errors
+    /// [`ConfigError::Rewrite`] for a protocol the table lacks (nothing changed).
+    pub fn set_rewrites(&self, rewrites: HashMap<String, Rewrites>) -> Result<(), ConfigError> {
+        let by_id = rewrites_by_id(&self.shared.protocols, rewrites)?;
+        self.shared.rewrites.store(Arc::new(by_id));
+        Ok(())
     }
 
     /// Switch which protocols' calls are intercepted from now on (see

@@ -80,8 +80,10 @@ pub(crate) struct Shared {
     pub(crate) max_response_bytes: usize,
     pub(crate) body_read_timeout: Duration,
     pub(crate) hold_for_ack: bool,
-    /// Request rewrites by protocol id (`None`: forward the agent's bytes).
-    pub(crate) rewrites: Vec<Option<Rewrites>>,
+    /// Request rewrites by protocol id (`None`: forward the agent's bytes);
+    /// replaced whole by `DataPlane::set_rewrites`, a call keeping the set it
+    /// started with.
+    pub(crate) rewrites: arc_swap::ArcSwap<Vec<Option<Rewrites>>>,
     pub(crate) counters: Counters,
     /// Upcalls to the control plane (src/upcall.rs).
     pub(crate) upcalls: crate::upcall::Upcalls,
@@ -257,7 +259,8 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
             return closing(error(spec.flavour, 408, &why));
         }
     };
-    let rules = sh.rewrites.get(usize::from(pid)).and_then(Option::as_ref);
+    let all_rules = sh.rewrites.load_full();
+    let rules = all_rules.get(usize::from(pid)).and_then(Option::as_ref);
     let rewriting = rules.is_some() || rollout.model.is_some();
     let parsed = if rewriting { spec.parse_keeping_spans(&body) } else { spec.parse(&body) };
     let parsed = match parsed {

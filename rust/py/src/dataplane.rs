@@ -382,6 +382,11 @@ impl DataPlane {
         })
     }
 
+    fn set_rewrites(&self, rewrites: &Bound<'_, PyAny>) -> PyResult<()> {
+        let rules = self::rewrites(Some(rewrites))?;
+        self.with(|p| p.set_rewrites(rules).map_err(|e| DataPlaneConfigError::new_err(e.to_string())))
+    }
+
     fn set_intercept(&self, intercept: &Bound<'_, PyAny>) -> PyResult<()> {
         let intercept = intercept_of(intercept)?;
         self.with(|p| p.set_intercept(&intercept).map_err(|e| DataPlaneConfigError::new_err(e.to_string())))
