@@ -18,10 +18,11 @@ def replay_model(column: str) -> str:
     return f"replay:{SOLUTIONS}#{column}"
 
 
-def eval_cmd(a: argparse.Namespace, out: Path, summary: Path, *extra: str) -> list[str]:
-    """``lowwater eval gsm8k`` on the first ``a.tasks`` test problems, ``a.concurrency``
-    rollouts in flight, the model replaying column ``a.column``; rows to ``out``, the
-    summary JSON to ``summary``, no progress bar; ``extra`` flags appended."""
+def eval_cmd(a: argparse.Namespace, out: Path, summary: Path, *extra: str, concurrency: int | None = None) -> list[str]:
+    """``lowwater eval gsm8k`` on the first ``a.tasks`` test problems, ``-c`` of
+    ``concurrency`` (``a.concurrency`` if None), the model replaying column
+    ``a.column``; rows to ``out``, the summary JSON to ``summary``, no progress bar;
+    ``extra`` flags appended."""
     return [
         sys.executable,
         "-m",
@@ -35,7 +36,7 @@ def eval_cmd(a: argparse.Namespace, out: Path, summary: Path, *extra: str) -> li
         "-n",
         str(a.tasks),
         "-c",
-        str(a.concurrency),
+        str(a.concurrency if concurrency is None else concurrency),
         "--out",
         str(out),
         "--summary-json",

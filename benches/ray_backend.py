@@ -8,8 +8,10 @@ stopped by the bench:
 * **eval**: the GSM8K replay eval (``--tasks``, default all 1319, replayed
   from ``../shared/data/gsm8k``) with ``--backend ray --workers 1`` (one env
   worker per node, two in all) against ``--backend local --workers 2``, same
-  run, each ``lowwater eval`` in its own process; rollouts/s ratio and the
-  agreement of each run's rows with the recorded labels.
+  run, each ``lowwater eval`` in its own process, the same total of rollouts
+  in flight (``--concurrency``): ``-c`` is per node on Ray, so the Ray run gets
+  ``-c`` divided by the nodes; rollouts/s ratio and the agreement of each run's
+  rows with the recorded labels.
 * **shard**: one 64 MiB shard, fetched through the object store by a
   consumer actor on the same node and on the other node (``ray.get``, the
   zero-copy view summed), and through the HTTP transport by a consumer
@@ -50,15 +52,54 @@ from _common import MIB, emit, params_of, pid_rss_bytes, progress, rss_bytes, sl
 from _gsm8k import DATA, add_replay_flags, eval_cmd, labels
 
 SHARD_BYTES = 64 << 20
+#: Nodes of the simulated cluster, and so node pools of the Ray run.
+NODES = 2
+#: Env workers: per node on Ray, in all locally (one env worker per node either way).
+WORKERS = {"ray": 1, "local": NODES}
 ENV = {"RAY_AUTH_MODE": "disabled", "LOWWATER_ADMIN_KEY": "bench-ray-backend"}
 
 
 # -- eval ---------------------------------------------------------------------------
 
 
-def eval_run(a: argparse.Namespace, out_dir: Path, backend: str, address: str | None) -> dict:
+def rollouts_in_flight(concurrency: int, workers: int, pools: int) -> int:
+    """Rollouts ``lowwater eval -c concurrency --workers workers`` keeps in flight
+    over ``pools`` pools (1 locally, one per node on Ray), as its runner sizes them:
+    ``ceil(concurrency / workers)`` tasks per worker of each pool, one rollout a task
+    (the GSM8K eval's group size is 1)."""
+    return pools * workers * max(1, -(-concurrency // workers))
+
+
+def concurrencies(local: int) -> dict[str, int]:
+    """The ``-c`` of each run: ``local`` for the local one, and for the Ray one the
+    per-node value giving the same total in flight.  Passing ``local`` to both would
+    put ``NODES`` times as many rollouts in flight on Ray (``-c`` is per node there),
+    which is how the rows before this split were measured.
+
+    Raises:
+        ValueError: no per-node ``-c`` gives ``local``'s total (not the case for
+            ``NODES`` == local workers, kept as a guard if either changes).
+    """
+    ray = -(-local // NODES)
+    total = rollouts_in_flight(local, WORKERS["local"], 1)
+    if rollouts_in_flight(ray, WORKERS["ray"], NODES) != total:
+        raise ValueError(f"no per-node -c puts {total} rollouts in flight on {NODES} nodes")
+    return {"local": local, "ray": ray}
+
+
+def eval_run(a: argparse.Namespace, out_dir: Path, backend: str, concurrency: int, address: str | None) -> dict:
     out, summary = out_dir / f"{backend}.jsonl", out_dir / f"{backend}.summary.json"
-    cmd = eval_cmd(a, out, summary, "--no-samples", "--backend", backend, "--workers", "1" if backend == "ray" else "2")
+    cmd = eval_cmd(
+        a,
+        out,
+        summary,
+        "--no-samples",
+        "--backend",
+        backend,
+        "--workers",
+        str(WORKERS[backend]),
+        concurrency=concurrency,
+    )
     if backend == "ray":
         cmd += ["--address", address or "", "--bind", "0.0.0.0"]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **ENV})
@@ -240,7 +281,11 @@ def daemons_pss_bytes(cluster) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="64 tasks, 20 steps, 2 rounds: a smoke run")
-    add_replay_flags(p, concurrency_help="rollouts in flight (default 32)")
+    add_replay_flags(
+        p,
+        concurrency_help="rollouts in flight in all, the same for both runs (default 32; "
+        f"the Ray run gets -c of this divided by its {NODES} nodes, as -c is per node there)",
+    )
     p.add_argument("--steps", type=int, default=200, help="trainer steps over Ray (default 200)")
     p.add_argument("--rounds", type=int, default=5, help="64 MiB fetches per path; medians (default 5)")
     p.add_argument("--http-child", nargs=3, help=argparse.SUPPRESS)
@@ -258,6 +303,10 @@ def main() -> None:
     except ImportError:
         sys.exit("this bench needs the lowwater-ray plugin: pip install -e plugins/lowwater-ray")
     has_data = (DATA / "test.jsonl").is_file()
+    try:
+        concurrency = concurrencies(a.concurrency)
+    except ValueError as e:
+        sys.exit(str(e))
     os.environ.update(ENV)
     baseline = rss_bytes()
     shmem_before = shmem_bytes()
@@ -270,7 +319,7 @@ def main() -> None:
             cluster.start_head(num_cpus=2, resources={"node1": 1})
             cluster.connect()
             cluster.add_node(num_cpus=2, resources={"node2": 1})
-            cluster.wait(2)
+            cluster.wait(NODES)
             results["cluster_start_s"] = time.perf_counter() - started
             results["ray_daemons_pss_mb"] = daemons_pss_bytes(cluster) / MIB
 
@@ -293,10 +342,17 @@ def main() -> None:
             progress(f"  {json.dumps({k: round(v, 2) for k, v in results.items() if k.startswith(('shard', 'http'))})}")
 
             if has_data:
+                results["local_rollouts_in_flight_count"] = rollouts_in_flight(
+                    concurrency["local"], WORKERS["local"], 1
+                )
+                results["ray_rollouts_in_flight_count"] = rollouts_in_flight(concurrency["ray"], WORKERS["ray"], NODES)
                 with tempfile.TemporaryDirectory() as out_dir:
                     for backend in ("local", "ray"):
-                        progress(f"GSM8K replay eval, {a.tasks} tasks, --backend {backend}")
-                        run = eval_run(a, Path(out_dir), backend, cluster.address)
+                        progress(
+                            f"GSM8K replay eval, {a.tasks} tasks, --backend {backend} --workers {WORKERS[backend]}"
+                            f" -c {concurrency[backend]} ({results[f'{backend}_rollouts_in_flight_count']} in flight)"
+                        )
+                        run = eval_run(a, Path(out_dir), backend, concurrency[backend], cluster.address)
                         s = run["summary"]
                         progress(
                             f"  {s['wall_s']:.1f} s, {s['rollouts_per_s']:.2f} rollouts/s, agreement {run['agreement']:.4f}"
@@ -334,7 +390,7 @@ def main() -> None:
     }
     if "ray_vs_local_rollouts_per_s_ratio" in results:
         targets["ray_vs_local_rollouts_per_s_ratio"] = target(results["ray_vs_local_rollouts_per_s_ratio"], min=0.7)
-    params = params_of(a, omit=("http_child",), gsm8k_data=has_data)
+    params = params_of(a, omit=("http_child",), ray_concurrency_per_node=concurrency["ray"], gsm8k_data=has_data)
     emit("ray_backend", params, results, targets)
 
 

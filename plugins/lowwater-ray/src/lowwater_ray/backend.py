@@ -5,7 +5,10 @@ connects to the cluster (``options.address``: ``"auto"``, ``HOST:PORT``, or
 ``None`` for a local one started and stopped here), starts one
 :class:`~lowwater_ray.node_pool.NodePool` actor per alive node, pinned to it
 by node affinity (``soft=False``), and spreads task ids over them, at most
-``workers * concurrency_per_worker`` in flight per node.
+``workers * concurrency_per_worker`` in flight per node.  Ids go to a node
+pool and rows come back in batches (``NodePool.exchange``): per node pool
+one call waits for finished tasks while at most one more carries new ids,
+so the Ray calls and the driver's wake-ups are per batch, not per task.
 
 Failures are lowwater's to count, never Ray's to hide: the actors run with
 ``max_restarts=0, max_task_retries=0`` (Ray would otherwise re-run a killed
@@ -19,7 +22,9 @@ Options (``BackendOptions.options``): ``nodes`` (at most this many node
 pools), ``actor_cpus`` (CPUs each node pool reserves from Ray's scheduler,
 default 0: its processes are lowwater's), ``object_store_memory_mb`` (cap
 of a local cluster's object store, default 512), ``tick_s`` (stats and memory
-sampling, default 1).
+sampling, default 1), ``linger_s`` (how long a node pool holding a
+finished task waits for others to return with it, default 0.1 s; 0 returns
+each at once).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Hashable, It
 from typing import Any
 
 import attrs
+import orjson
 import trio
 
 from lowwater.workers import JobSpec, PoolConfig, PoolReport, TaskInfo
@@ -44,6 +50,13 @@ MIB = 1 << 20
 DEFAULT_OBJECT_STORE_MB = 512
 #: Ray threads kept free in each node pool for control calls (stats, unpin, stop).
 CONTROL_THREADS = 4
+#: Ray threads for exchanges: one waiting for rows, one carrying new ids.
+EXCHANGE_THREADS = 2
+#: Seconds an exchange waits for a first finished task before returning empty.
+EXCHANGE_WAIT_S = 5.0
+#: Default ``linger_s``: seconds a node pool holding finished tasks waits for
+#: more before returning them (the tasks here run for about a second each).
+DEFAULT_LINGER_S = 0.1
 
 
 @attrs.define
@@ -125,7 +138,11 @@ class _Node:
     ip: str
     actor: Any = None
     pid: int | None = None
-    inflight: dict[Any, tuple[Any, int, Any]] = attrs.field(factory=dict)  # rows ref -> (task id, attempt, shards ref)
+    inflight: dict[str, tuple[Any, int]] = attrs.field(factory=dict)  # task key -> (task id, attempt)
+    outbox: list[tuple[Any, int]] = attrs.field(factory=list)  # assigned, not yet sent
+    calls: dict[Any, tuple[bool, Any]] = attrs.field(factory=dict)  # rows ref -> (waiting, shards ref)
+    waiting: bool = False  # an exchange waiting for rows is out
+    sending: bool = False  # an exchange carrying ids without waiting is out
     dead: bool = False
     report: dict[str, Any] | None = None
     stats: dict[str, Any] = attrs.field(factory=dict)
@@ -158,6 +175,12 @@ class RayTaskPool:
         self.actor_cpus = float(opts.get("actor_cpus", 0))
         self.object_store_mb = float(opts.get("object_store_memory_mb", DEFAULT_OBJECT_STORE_MB))
         self.tick_s = float(opts.get("tick_s", 1.0))
+        self.linger_s = float(opts.get("linger_s", DEFAULT_LINGER_S))
+        from lowwater.workers.backend import NODE_STORE_URL
+
+        # Jobs uploading shards to their node's store get one task (and one
+        # shards object) per exchange: see NodePool.exchange_shards.
+        self.shards = spec.kwargs.get("store_url") == NODE_STORE_URL
         self.capacity = config.workers * config.concurrency_per_worker
         self._nodes: list[_Node] = []
         self._report = RayPoolReport()
@@ -253,7 +276,7 @@ class RayTaskPool:
             # Failures are counted by lowwater, never retried silently by Ray.
             max_restarts=0,
             max_task_retries=0,
-            max_concurrency=self.capacity + CONTROL_THREADS,
+            max_concurrency=EXCHANGE_THREADS + CONTROL_THREADS,
             num_cpus=self.actor_cpus,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
             name=None,
@@ -351,8 +374,8 @@ class RayTaskPool:
         return min(live, key=lambda n: (len(n.inflight), n.index)) if live else None
 
     async def _dispatch(self, task_ids: Iterable[Any] | AsyncIterable[Any], nursery: trio.Nursery) -> None:
-        source = _Source(task_ids, self._notify)
-        waiter = _Completions(self)
+        source = self._source = _Source(task_ids, self._notify)
+        self._completions = waiter = _Completions(self)
         nursery.start_soon(waiter.run)
         nursery.start_soon(source.feed)
         while True:
@@ -360,25 +383,47 @@ class RayTaskPool:
                 return
             if not any(not n.dead for n in self._nodes) and not self._replacing:
                 raise RuntimeError("every Ray node pool died and none could be replaced")
-            node = self._free()
-            if node is None or (source.exhausted and not self._retries):
-                await self._wait(self.tick_s)
-                continue
+            self._pump()
+            await self._wait(self.tick_s)
+
+    def _pump(self) -> None:
+        """Assign ids (re-runs first) to the node pools with room, then send
+        them: with a waiting exchange if the node pool has none out, else
+        with a non-waiting one if none is out (else they wait for the next)."""
+        while (node := self._free()) is not None:
             if self._retries:
                 task_id, attempt = self._retries.popleft()
             else:
-                item = source.take()
+                item = self._source.take()
                 if item is _WAIT or item is _END:
-                    await self._wait(self.tick_s)
-                    continue
+                    break
                 task_id, attempt = item
-            rows_ref, shards_ref = node.actor.run.remote(task_id, attempt)
-            node.inflight[rows_ref] = (task_id, attempt, shards_ref)
-            # Not even this frame may keep a step's object reference: the
-            # last group's would outlive its clear_batch until the next dispatch.
-            del rows_ref, shards_ref
+            node.inflight[orjson.dumps(task_id).decode()] = (task_id, attempt)
+            node.outbox.append((task_id, attempt))
             self._emit("dispatch", node=node.label, task_id=task_id, attempt=attempt)
-            waiter.wake()
+        for node in self._nodes:
+            if node.dead or node.actor is None:
+                continue
+            if node.inflight and not node.waiting:
+                self._call(node, True)
+            elif node.outbox and not node.sending:
+                self._call(node, False)
+
+    def _call(self, node: _Node, waiting: bool) -> None:
+        # A function of its own: no long-lived frame may keep a step's object
+        # reference (the last group's would outlive its clear_batch).
+        tasks, node.outbox = node.outbox, []
+        wait_s = EXCHANGE_WAIT_S if waiting else 0.0
+        if self.shards:
+            rows_ref, shards_ref = node.actor.exchange_shards.remote(tasks, wait_s, self.linger_s)
+        else:
+            rows_ref, shards_ref = node.actor.exchange.remote(tasks, wait_s, self.linger_s, self.capacity), None
+        node.calls[rows_ref] = (waiting, shards_ref)
+        if waiting:
+            node.waiting = True
+        else:
+            node.sending = True
+        self._completions.wake()
 
     async def _wait(self, timeout: float) -> None:
         wake = self._wake
@@ -386,26 +431,37 @@ class RayTaskPool:
             await wake.wait()
 
     async def _complete(self, node: _Node, rows_ref: Any, outcome: Any) -> None:
-        """A call finished: deliver its rows, or handle its node pool's death."""
+        """An exchange returned: deliver its rows, or handle its node pool's death."""
         import ray
 
-        task_id, attempt, shards_ref = node.inflight.pop(rows_ref)
+        call = node.calls.pop(rows_ref, None)
+        if call is None or node.dead:  # a dead node pool's tasks are re-queued already
+            return
+        waiting, shards_ref = call
+        if waiting:
+            node.waiting = False
+        else:
+            node.sending = False
         if isinstance(outcome, (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)):
-            node.inflight[rows_ref] = (task_id, attempt, shards_ref)  # counted with the node's other tasks
             await self._node_died(node, outcome)
             return
         if isinstance(outcome, BaseException):
             raise outcome
         from lowwater_ray.transport import shard_refs
 
-        rows, info = outcome["rows"], outcome["info"]
-        shard_refs(rows, shards_ref, f"ray:{node.ip}")
+        for key, attempt, pid, worker, status, rows in orjson.loads(outcome):
+            entry = node.inflight.pop(key, None)
+            if entry is None:  # cannot happen: a node pool returns what it was given
+                log.error("node pool %s returned rows of task %s it was not running", node.label, key)
+                continue
+            task_id = entry[0]
+            if shards_ref is not None:
+                shard_refs(rows, shards_ref, f"ray:{node.ip}")
+            node.tasks += 1
+            self._report.tasks += 1
+            self._report.rows += len(rows)
+            await self._on_rows(rows, TaskInfo(task_id, attempt, attempt > 1, pid, worker, status))
         del shards_ref
-        node.tasks += 1
-        self._report.tasks += 1
-        self._report.rows += len(rows)
-        task_info = TaskInfo(task_id, info["attempt"], info["attempt"] > 1, info["pid"], info["worker"], info["status"])
-        await self._on_rows(rows, task_info)
         self._notify()
 
     async def _node_died(self, node: _Node, error: BaseException) -> None:
@@ -415,9 +471,11 @@ class RayTaskPool:
         self._report.node_pool_crashes += 1
         lost = list(node.inflight.values())
         node.inflight.clear()
+        node.outbox.clear()
+        node.calls.clear()
         log.error("node pool %s died with %d task(s) in flight: %s", node.label, len(lost), type(error).__name__)
         self._emit("node_pool_died", node=node.label, tasks=len(lost))
-        for task_id, attempt, _ in lost:
+        for task_id, attempt in lost:
             if attempt < self.config.max_task_attempts:
                 self._retries.append((task_id, attempt + 1))
                 self._report.retried_tasks += 1
@@ -536,8 +594,9 @@ class _Source:
 
 
 class _Completions:
-    """Waits (in a thread, ``ray.wait``) for in-flight calls and hands each
-    finished one to the pool."""
+    """Waits (in a thread, ``ray.wait``) for the exchanges out, hands each
+    returned one to the pool, then sends what the freed room lets in before
+    waiting again (so the next exchange is watched at once)."""
 
     def __init__(self, pool: RayTaskPool) -> None:
         self.pool = pool
@@ -547,17 +606,16 @@ class _Completions:
         self._more.set()
 
     async def run(self) -> None:
-
         while True:
-            inflight = {ref: node for node in self.pool._nodes for ref in node.inflight}
-            if not inflight:
+            calls = {ref: node for node in self.pool._nodes for ref in node.calls}
+            if not calls:
                 self._more = trio.Event()
                 await self._more.wait()
                 continue
-            for ref, outcome in await trio.to_thread.run_sync(_wait_and_get, list(inflight)):
-                node = inflight[ref]
-                if ref in node.inflight:
-                    await self.pool._complete(node, ref, outcome)
+            for ref, outcome in await trio.to_thread.run_sync(_wait_and_get, list(calls)):
+                await self.pool._complete(calls[ref], ref, outcome)
+            del calls
+            self.pool._pump()
 
 
 def _get(ref: Any) -> Any:
