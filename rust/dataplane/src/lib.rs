@@ -73,6 +73,7 @@ pub mod divergence;
 pub mod error;
 #[cfg(not(loom))]
 mod held;
+#[cfg(not(loom))]
 mod models;
 #[cfg(not(loom))]
 mod plane;
