@@ -7,8 +7,9 @@ records into one :class:`~lowwater.trajectory.Trajectory` per open rollout
 :func:`~lowwater.interception.dataplane.turn_of`) and drops a rollout's
 trajectory when it closes.
 
-Usage: ``python benches/_plane_child.py UPSTREAM`` (the upstream's base URL,
-ending ``/v1``).  It prints the plane's ``http://host:port`` as its first
+Usage: ``python benches/_plane_child.py UPSTREAM [--no-trim]`` (the
+upstream's base URL, ending ``/v1``; ``--no-trim``: the plane's
+``trim_when_idle`` off, glibc keeping what a burst freed).  It prints the plane's ``http://host:port`` as its first
 stdout line, then serves a control channel kept off the measured path: one
 JSON object per stdin line, one JSON reply per stdout line, in order:
 
@@ -20,15 +21,12 @@ JSON object per stdin line, one JSON reply per stdout line, in order:
 * ``{"op": "stats"}`` -> the plane's ``stats()`` and ``trajectories``
   (open), ``turns`` (recorded in all), ``orphans`` (records of rollouts
   already closed).
-* ``{"op": "trim"}`` -> ``{"trimmed": bool}``: glibc ``malloc_trim(0)`` in
-  this process (an allocator experiment; ``false`` where there is no glibc).
 
 At end of input the plane is closed and the process exits.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 
@@ -40,13 +38,13 @@ from lowwater.interception.dataplane import serve_records, turn_of
 from lowwater.trajectory import Trajectory
 
 
-def main(upstream: str) -> None:
+def main(upstream: str, trim_when_idle: bool) -> None:
     # Each open rollout holds a client socket and, at the gate, an upstream one.
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    plane = DataPlane(upstream, retries=0)
+    plane = DataPlane(upstream, retries=0, trim_when_idle=trim_when_idle)
     trajectories: dict[str, Trajectory] = {}
     counts = {"turns": 0, "orphans": 0}
 
@@ -73,11 +71,6 @@ def main(upstream: str) -> None:
             return {"closed": len(request["ids"]), "turns": turns, "cancelled": cancelled}
         if op == "stats":
             return {**plane.stats(), "trajectories": len(trajectories), **counts}
-        if op == "trim":
-            try:
-                return {"trimmed": bool(ctypes.CDLL("libc.so.6").malloc_trim(0))}
-            except (OSError, AttributeError):
-                return {"trimmed": False}
         raise ValueError(f"unknown op {op!r}")
 
     async def control(cancel: trio.CancelScope) -> None:
@@ -108,4 +101,4 @@ def main(upstream: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], "--no-trim" not in sys.argv[2:])

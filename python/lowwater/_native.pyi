@@ -353,6 +353,10 @@ class DataPlane:
         pool_idle_timeout_s: idle upstream connections close after this (seconds).
         hold_for_ack: hold each call's last bytes until :meth:`ack`.
         worker_threads: tokio worker threads.
+        trim_when_idle: give glibc's free heap pages back to the OS
+            (``malloc_trim(0)`` on a thread of its own, never a worker) once no
+            call ran for a second, and again once the idle upstream
+            connections have closed (``stats()["trims"]`` counts them).
 
     Raises:
         DataPlaneConfigError: an unusable configuration (see the exception).
@@ -379,6 +383,7 @@ class DataPlane:
         pool_idle_timeout_s: float = 5.0,
         hold_for_ack: bool = True,
         worker_threads: int = 2,
+        trim_when_idle: bool = True,
     ) -> Self: ...
     @property
     def address(self) -> str:
@@ -439,7 +444,8 @@ class DataPlane:
         """A snapshot: ``open_rollouts``, ``secrets``, ``in_flight``,
         ``active_calls``, ``connections``, ``queued``, ``awaiting_ack`` (now),
         and the counters since start ``calls``, ``ok``, ``failed``,
-        ``closed``, ``disconnected``, ``refused``.
+        ``closed``, ``disconnected``, ``refused``, ``trims`` (times free heap
+        pages were given back, ``trim_when_idle``).
 
         Raises:
             DataPlaneClosed: after :meth:`close`.

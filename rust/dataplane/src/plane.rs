@@ -13,6 +13,7 @@ use crate::protocol::ProtocolTable;
 use crate::queue::CompletionQueue;
 use crate::rollouts::RolloutTable;
 use crate::server::{accept_loop, Counters, Shared};
+use crate::trim::Trimmer;
 use crate::upstream::Upstream;
 
 /// How the data plane runs.  [`Config::new`] gives the Python server's defaults.
@@ -53,6 +54,12 @@ pub struct Config {
     /// Tokio worker threads (2): a bounded runtime, so the data plane's
     /// allocator caches are per a fixed few threads.
     pub worker_threads: usize,
+    /// Give glibc's free heap pages back to the OS (`malloc_trim(0)`, on a
+    /// thread of its own) once no call has run for a second, and again after
+    /// the idle upstream connections have closed (true).  Without it a
+    /// burst of open rollouts leaves the process at its peak (measured in
+    /// src/trim.rs and docs/dataplane.md#the-allocator).  No effect without glibc.
+    pub trim_when_idle: bool,
 }
 
 impl Config {
@@ -73,6 +80,7 @@ impl Config {
             pool_idle_timeout: Duration::from_secs(5),
             hold_for_ack: true,
             worker_threads: 2,
+            trim_when_idle: true,
         }
     }
 }
@@ -138,6 +146,9 @@ pub struct Stats {
     pub disconnected: u64,
     /// Calls refused before forwarding (400, 401, 413; not recorded).
     pub refused: u64,
+    /// Times the plane gave glibc's free heap pages back to the OS
+    /// (`malloc_trim`, once quiet; see [`Config::trim_when_idle`]).
+    pub trims: u64,
 }
 
 /// A running data plane: its own tokio runtime, listener and tables.
@@ -150,6 +161,7 @@ pub struct DataPlane {
     addr: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
     runtime: Option<tokio::runtime::Runtime>,
+    trimmer: Trimmer,
 }
 
 impl std::fmt::Debug for DataPlane {
@@ -203,8 +215,9 @@ impl DataPlane {
             counters: Counters::default(),
         });
         let (stop, stopped) = oneshot::channel();
+        let trimmer = Trimmer::start(&shared, config.pool_idle_timeout, config.trim_when_idle)?;
         runtime.spawn(accept_loop(Arc::clone(&shared), listener, stopped));
-        Ok(DataPlane { shared, addr, stop: Some(stop), runtime: Some(runtime) })
+        Ok(DataPlane { shared, addr, stop: Some(stop), runtime: Some(runtime), trimmer })
     }
 
     /// The address the server listens on.
@@ -255,6 +268,7 @@ impl DataPlane {
             closed: get(&c.closed),
             disconnected: get(&c.disconnected),
             refused: get(&c.refused),
+            trims: get(&c.trims),
         }
     }
 
@@ -273,6 +287,7 @@ impl DataPlane {
             let _ = stop.send(());
         }
         self.shared.queue.release_all();
+        self.trimmer.stop_and_join();
         if let Some(rt) = self.runtime.take() {
             rt.shutdown_timeout(timeout);
         }
@@ -283,6 +298,7 @@ impl DataPlane {
             let _ = stop.send(());
         }
         self.shared.queue.release_all();
+        self.trimmer.stop();
         if let Some(rt) = self.runtime.take() {
             rt.shutdown_background();
         }

@@ -133,6 +133,7 @@ impl DataPlane {
         pool_idle_timeout_s = 5.0,
         hold_for_ack = true,
         worker_threads = 2,
+        trim_when_idle = true,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -152,6 +153,7 @@ impl DataPlane {
         pool_idle_timeout_s: f64,
         hold_for_ack: bool,
         worker_threads: usize,
+        trim_when_idle: bool,
     ) -> PyResult<Self> {
         guarded(|| {
             let mut config = Config::new(upstream);
@@ -167,6 +169,7 @@ impl DataPlane {
             config.pool_idle_timeout = secs("pool_idle_timeout_s", pool_idle_timeout_s)?;
             config.hold_for_ack = hold_for_ack;
             config.worker_threads = worker_threads;
+            config.trim_when_idle = trim_when_idle;
             let host = host.to_owned();
             // Name resolution and the runtime's start can block: GIL released.
             let plane = py.detach(move || -> PyResult<Plane> {
@@ -267,6 +270,7 @@ impl DataPlane {
         d.set_item("closed", s.closed)?;
         d.set_item("disconnected", s.disconnected)?;
         d.set_item("refused", s.refused)?;
+        d.set_item("trims", s.trims)?;
         Ok(d)
     }
 
