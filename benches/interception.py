@@ -38,7 +38,7 @@ client; it sends non-streamed chat completions.
 Usage: ``python benches/interception.py [--quick] [--latency-calls 2000]
 [--concurrency 256] [--calls-per-worker 20] [--rounds 2] [--rollouts 16384]
 [--phases latency,throughput,hold,interceptor] [--servers proxy,plane]
-[--plane-env NAME=VALUE] [--plane-trim]``.
+[--plane-env NAME=VALUE] [--plane-no-trim]``.
 The last stdout line is the JSON object benches/README.md#output describes.
 """
 
@@ -263,9 +263,14 @@ class PlaneChild:
     loop keeps running while the child answers.
     """
 
-    def __init__(self, upstream: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, upstream: str, env: dict[str, str] | None = None, trim: bool = True) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).parent / "_plane_child.py"), upstream],
+            [
+                sys.executable,
+                str(Path(__file__).parent / "_plane_child.py"),
+                upstream,
+                *([] if trim else ["--no-trim"]),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -508,8 +513,9 @@ async def hold_open(proxy_url: str, gate_url: str, proxy_pid: int, n: int) -> di
 
 
 async def plane_burst(plane: PlaneChild, gate: Conn, n: int, trim: bool) -> dict:
-    """One hold-open burst of ``n`` rollouts through the plane; figures of
-    this burst, RSS in bytes (``base`` before it, ``resting`` after it)."""
+    """One hold-open burst of ``n`` rollouts through the plane (``trim``: the
+    plane's ``trim_when_idle`` is on); figures of this burst, RSS in bytes
+    (``base`` before it, ``resting`` after it)."""
     host, port = split_url(plane.url)
     await gate.request("POST", "/gate/hold", idempotent=True)
     rss_base = rss_bytes(plane.pid)
@@ -534,7 +540,12 @@ async def plane_burst(plane: PlaneChild, gate: Conn, n: int, trim: bool) -> dict
     closed = await plane.close(rollouts)
     # Resting: the plane holds no connection, call or record, and its process
     # no more sockets than before the burst (the idle upstream connections
-    # close 5 s after their last call); then a moment for anything deferred.
+    # close up to twice their 5 s idle timeout after their last call); with
+    # trim_when_idle, once the plane's second trim after the burst (a quiet
+    # second after the last call, then after the upstream connections could
+    # close) has run.  Bounded: a trim that came before `trims` was read is
+    # not waited for twice.
+    trims = (await plane.acall({"op": "stats"}))["trims"]
     settled = {}
     with trio.move_on_after(60):
         while True:
@@ -543,9 +554,10 @@ async def plane_burst(plane: PlaneChild, gate: Conn, n: int, trim: bool) -> dict
             if not any(busy) and sockets_of(plane.pid) <= sockets_base:
                 break
             await trio.sleep(0.5)
+    with trio.move_on_after(30 if trim else 0):
+        while (await plane.acall({"op": "stats"}))["trims"] < trims + 2:
+            await trio.sleep(0.5)
     await trio.sleep(1.0)
-    if trim:
-        await plane.acall({"op": "trim"})
     samples = []
     for _ in range(3):
         samples.append(rss_bytes(plane.pid))
@@ -567,7 +579,7 @@ async def plane_burst(plane: PlaneChild, gate: Conn, n: int, trim: bool) -> dict
     }
 
 
-async def hold_plane(plane: PlaneChild, gate_url: str, n: int, trim: bool = False) -> dict:
+async def hold_plane(plane: PlaneChild, gate_url: str, n: int, trim: bool = True) -> dict:
     """Two hold-open bursts through the plane (the first after one warm-up
     call); ``plane_`` figures: the first burst's, and what the second adds."""
     gate = Conn(*split_url(gate_url))
@@ -737,9 +749,9 @@ def main() -> None:
         help="environment of the plane processes (e.g. MALLOC_ARENA_MAX=2; repeatable)",
     )
     p.add_argument(
-        "--plane-trim",
+        "--plane-no-trim",
         action="store_true",
-        help="malloc_trim(0) in the plane process before each resting sample (an allocator experiment)",
+        help="the plane's trim_when_idle off (glibc keeps the pages a burst freed)",
     )
     p.add_argument("--_gate-child", dest="gate_child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -757,7 +769,7 @@ def main() -> None:
     use_proxy = "proxy" in servers or "interceptor" in phases
     model, model_url = start([sys.executable, "-m", "lowwater", "serve-model", "--scripted"], url_on="stdout")
     proxy, proxy_url = start_proxy(model_url + "/v1", out_dir, a.pythonmalloc) if use_proxy else (None, "")
-    plane = PlaneChild(model_url + "/v1", plane_env) if "plane" in servers else None
+    plane = PlaneChild(model_url + "/v1", plane_env, not a.plane_no_trim) if "plane" in servers else None
     gate, gate_url = (
         start([sys.executable, __file__, "--_gate-child"], url_on="stdout") if "hold" in phases else (None, "")
     )
@@ -766,7 +778,11 @@ def main() -> None:
         if "hold" in phases and "proxy" in servers
         else (None, "")
     )
-    gated_plane = PlaneChild(gate_url + "/v1", plane_env) if "hold" in phases and "plane" in servers else None
+    gated_plane = (
+        PlaneChild(gate_url + "/v1", plane_env, not a.plane_no_trim)
+        if "hold" in phases and "plane" in servers
+        else None
+    )
     hooked, hooked_url = (
         start_proxy(model_url + "/v1", out_dir, a.pythonmalloc, HOOKED_PROXY_MAIN)
         if "interceptor" in phases
@@ -785,7 +801,7 @@ def main() -> None:
                 results.update(await hold_open(gated_url, gate_url, gated.pid, a.rollouts))
             if "hold" in phases and gated_plane is not None:
                 progress(f"hold-open, plane: 2 bursts of {a.rollouts} rollouts, one call each, held at the gate")
-                results.update(await hold_plane(gated_plane, gate_url, a.rollouts, a.plane_trim))
+                results.update(await hold_plane(gated_plane, gate_url, a.rollouts, not a.plane_no_trim))
             if "interceptor" in phases:
                 await interceptor_phase()
 
