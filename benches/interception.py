@@ -45,6 +45,7 @@ The last stdout line is the JSON object benches/README.md#output describes.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import resource
 import secrets
@@ -656,7 +657,10 @@ def gate_child() -> None:
 
     async def main():
         async with trio.open_nursery() as nursery:
-            address = await nursery.start(serve, app)
+            # Keep-alive past its clients' idle prune (5 s): a connection the
+            # gate closed just as a client reused it failed the call (502 from
+            # the plane, which the bench runs with retries=0).
+            address = await nursery.start(functools.partial(serve, app, keep_alive_s=60.0))
             print(f"http://{address}", flush=True)
 
     trio.run(main)
