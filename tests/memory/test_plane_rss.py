@@ -13,9 +13,9 @@ rollout closed, and the plane's stats and sockets back to what they were.
 * the plane's tables are empty after each burst and every call recorded
   one turn (counts: deterministic);
 * the resting RSS after a burst of ``BURST`` open rollouts stays within
-  ``FIRST_BURST_BOUND`` of the resting RSS after a warm-up burst (glibc
-  kept about 60 MiB of the burst's freed pages until the plane trimmed
-  when it went idle; docs/dataplane.md#the-allocator);
+  ``FIRST_BURST_BOUND`` of the resting RSS after a warm-up burst (without
+  the plane's idle trim, glibc kept 255 MiB of a 16,384-rollout burst's
+  freed pages; docs/dataplane.md#the-allocator);
 * a second burst adds less than ``SECOND_BURST_BOUND``.
 """
 
