@@ -1,9 +1,13 @@
-"""The interception proxy against calling the model server directly, same load generator, same run.
+"""The interception proxy and the Rust data plane against calling the model server directly, same load generator, same run.
 
-Three child processes: ``lowwater serve-model --scripted`` (the upstream),
-``lowwater proxy`` in front of it, and for the hold-open phase a *gate*
-upstream (this script in ``--_gate-child`` mode) that holds every request
-until released.  The load generator (this process) is a minimal raw-socket
+Child processes: ``lowwater serve-model --scripted`` (the upstream),
+``lowwater proxy`` in front of it, the data plane in front of it
+(benches/_plane_child.py: a ``DataPlane`` with the Trio control plane
+draining its records into one trajectory per rollout, the rollouts opened
+and closed over the child's stdin/stdout, off the measured path), and for
+the hold-open phase a *gate* upstream (this script in ``--_gate-child``
+mode) that holds every request until released, with a proxy and a plane in
+front of it.  ``--servers`` picks the series beside direct (default both).  The load generator (this process) is a minimal raw-socket
 HTTP/1.1 client on Trio, so the figures measure the servers, not a heavy
 client; it sends non-streamed chat completions.
 
@@ -20,7 +24,11 @@ client; it sends non-streamed chat completions.
   Reported: seconds until all were open, seconds from release to the first
   response and to the last, failures, and the proxy's current RSS
   (baseline, with every call open, after closing every rollout), giving
-  RSS per open rollout.
+  RSS per open rollout.  The plane goes through the same burst twice
+  (``plane_`` keys): resting RSS is read once the plane reports no
+  connection, call or record left and its process holds no more sockets
+  than at baseline (the idle upstream connections closed), and the
+  second burst's resting RSS minus the first's is what a burst leaves.
 * **Interceptor hooks** (``--phases interceptor``): the same sequential
   calls through two proxies, one plain and one with a trivial
   ``intercept_request`` and ``intercept_response`` installed, alternating
@@ -29,21 +37,25 @@ client; it sends non-streamed chat completions.
 
 Usage: ``python benches/interception.py [--quick] [--latency-calls 2000]
 [--concurrency 256] [--calls-per-worker 20] [--rounds 2] [--rollouts 16384]
-[--phases latency,throughput,hold,interceptor]``.
+[--phases latency,throughput,hold,interceptor] [--servers proxy,plane]
+[--plane-env NAME=VALUE] [--plane-no-trim]``.
 The last stdout line is the JSON object benches/README.md#output describes.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import resource
+import secrets
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import orjson
@@ -231,6 +243,94 @@ async def close_rollouts(proxy_url: str, rollouts: list[dict], workers: int = 32
             nursery.start_soon(worker)
 
 
+class ProxyRollouts:
+    """Rollouts of a ``lowwater proxy``: opened and closed through its admin API."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    async def open(self, n: int) -> list[dict]:
+        return await open_rollouts(self.url, n)
+
+    async def close(self, rollouts: list[dict]) -> None:
+        await close_rollouts(self.url, rollouts)
+
+
+class PlaneChild:
+    """The data-plane process (benches/_plane_child.py) and its control channel.
+
+    Control messages go over the child's stdin/stdout, one JSON line each
+    way, from a worker thread (:meth:`acall`) so the load generator's Trio
+    loop keeps running while the child answers.
+    """
+
+    def __init__(self, upstream: str, env: dict[str, str] | None = None, trim: bool = True) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(Path(__file__).parent / "_plane_child.py"),
+                upstream,
+                *([] if trim else ["--no-trim"]),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        line = self.proc.stdout.readline().decode()
+        if not line.startswith("http://"):
+            self.proc.kill()
+            raise RuntimeError(f"the plane child did not report a URL: {line!r}")
+        self.url = line.strip()
+        self.pid = self.proc.pid
+        self.lock = threading.Lock()
+        self.serial = 0
+
+    def call(self, request: dict) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        with self.lock:
+            self.proc.stdin.write(orjson.dumps(request) + b"\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the plane child exited ({self.proc.poll()}) during {request['op']}")
+        return orjson.loads(line)
+
+    async def acall(self, request: dict) -> dict:
+        return await trio.to_thread.run_sync(self.call, request)
+
+    async def open(self, n: int) -> list[dict]:
+        rollouts = []
+        for _ in range(n):
+            self.serial += 1
+            rollouts.append({"rollout_id": f"bench-{self.serial}", "api_key": f"lw-{secrets.token_hex(16)}"})
+        await self.acall({"op": "open", "rollouts": [[r["rollout_id"], r["api_key"]] for r in rollouts]})
+        return rollouts
+
+    async def close(self, rollouts: list[dict]) -> dict:
+        return await self.acall({"op": "close", "ids": [r["rollout_id"] for r in rollouts]})
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.close()  # end of input: the child closes its plane and exits
+            self.proc.wait(30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+
+
+def sockets_of(pid: int) -> int:
+    """Sockets process ``pid`` holds open (its ``/proc/PID/fd`` links to ``socket:``)."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except OSError:  # closed while listing
+            pass
+    return count
+
+
 def auth(rollout: dict | None) -> bytes:
     return f"authorization: Bearer {rollout['api_key']}\r\n".encode() if rollout else b""
 
@@ -258,20 +358,22 @@ async def alternating_round(sides: dict[str, tuple[Target, dict | None]], calls:
     return out
 
 
-async def latency_percentiles(sides: dict[str, tuple[str, bool]], rounds: int, calls: int) -> dict[str, list[float]]:
-    """Per side ``(base url, is a proxy)``, the 99 percentiles (ms; ``[49]`` is
-    p50, ``[98]`` p99) of ``calls`` alternating chat calls, made in ``rounds``
-    rounds on fresh connections; on a proxy through one rollout, opened first
-    and closed after."""
-    rollouts = {side: (await open_rollouts(url, 1))[0] if proxy else None for side, (url, proxy) in sides.items()}
+async def latency_percentiles(
+    sides: dict[str, tuple[str, ProxyRollouts | PlaneChild | None]], rounds: int, calls: int
+) -> dict[str, list[float]]:
+    """Per side ``(base url, its rollouts' opener or None for direct calls)``,
+    the 99 percentiles (ms; ``[49]`` is p50, ``[98]`` p99) of ``calls``
+    alternating chat calls, made in ``rounds`` rounds on fresh connections;
+    through a proxy or plane on one rollout, opened first and closed after."""
+    rollouts = {side: (await ctl.open(1))[0] if ctl else None for side, (_, ctl) in sides.items()}
     targets = {side: (Target(url, "/v1/chat/completions"), rollouts[side]) for side, (url, _) in sides.items()}
     lat: dict[str, list[float]] = {side: [] for side in sides}
     for _ in range(rounds):
         for side, times in (await alternating_round(targets, calls // rounds)).items():
             lat[side] += times
-    for side, (url, proxy) in sides.items():
-        if proxy:
-            await close_rollouts(url, [rollouts[side]])
+    for side, (_, ctl) in sides.items():
+        if ctl:
+            await ctl.close([rollouts[side]])
     return {k: statistics.quantiles(v, n=100) for k, v in lat.items()}
 
 
@@ -298,23 +400,15 @@ async def throughput_round(target: Target, rollouts: list[dict | None], calls_pe
     return len(conns) * calls_per_worker / elapsed
 
 
-async def hold_open(proxy_url: str, gate_url: str, proxy_pid: int, n: int) -> dict:
-    host, port = split_url(proxy_url)
-    gate = Conn(*split_url(gate_url))
-    ctl = Conn(host, port)
-    # Warm the proxy's path once, then close the gate.
-    warm = await open_rollouts(proxy_url, 1)
-    assert (await Conn(host, port).request("POST", "/v1/chat/completions", REQUEST, auth(warm[0])))[0] == 200
-    await close_rollouts(proxy_url, warm)
-    await gate.request("POST", "/gate/hold", idempotent=True)
-    rss_base = rss_bytes(proxy_pid)
-    t_open = time.perf_counter()
-    rollouts = await open_rollouts(proxy_url, n)
-    open_s = time.perf_counter() - t_open
-    rss_registered = rss_bytes(proxy_pid)
-    progress(f"  {n} rollouts opened in {open_s:.1f} s; sending one call each")
-
-    conns = [Conn(host, port) for _ in range(n)]
+async def flood(
+    host: str, port: int, rollouts: list[dict], all_held: Callable[[], Awaitable[bool]], gate: Conn
+) -> tuple[list[tuple[int, float]], float]:
+    """One call per rollout to ``host:port``, each on its own connection,
+    held at the closed gate; once ``all_held()`` (polled every 0.25 s) says
+    the server holds every call, the gate is released.  Returns each call's
+    ``(status, seconds from the release to its response)`` (status 0: the
+    connection broke) and the seconds until every call was held."""
+    conns = [Conn(host, port) for _ in rollouts]
     results: list[tuple[int, float]] = []
     released = trio.Event()
     t_release = 0.0
@@ -341,24 +435,49 @@ async def hold_open(proxy_url: str, gate_url: str, proxy_pid: int, n: int) -> di
         await conn.aclose()
 
     t_flood = time.perf_counter()
-    all_open_s = float("nan")
-    rss_open = 0
     async with trio.open_nursery() as nursery:
         limiter = trio.CapacityLimiter(256)
         for conn, rollout in zip(conns, rollouts):
             nursery.start_soon(agent, conn, rollout, limiter)
-        while True:  # until the proxy holds every call
+        while True:  # until the server holds every call
             await trio.sleep(0.25)
-            stats = await admin(ctl, "GET", "/lowwater/stats")
-            if stats["waiting_handlers"] >= n:
+            if await all_held():
                 all_open_s = time.perf_counter() - t_flood
-                rss_open = rss_bytes(proxy_pid)
-                held_intercepts = stats["intercepts"]["entries"]
                 break
-        progress(f"  all {n} calls open at the proxy after {all_open_s:.1f} s; releasing the gate")
+        progress(f"  all {len(rollouts)} calls open after {all_open_s:.1f} s; releasing the gate")
         t_release = time.perf_counter()
         released.set()
         await gate.request("POST", "/gate/release", idempotent=True)
+    return results, all_open_s
+
+
+async def hold_open(proxy_url: str, gate_url: str, proxy_pid: int, n: int) -> dict:
+    host, port = split_url(proxy_url)
+    gate = Conn(*split_url(gate_url))
+    ctl = Conn(host, port)
+    # Warm the proxy's path once, then close the gate.
+    warm = await open_rollouts(proxy_url, 1)
+    assert (await Conn(host, port).request("POST", "/v1/chat/completions", REQUEST, auth(warm[0])))[0] == 200
+    await close_rollouts(proxy_url, warm)
+    await gate.request("POST", "/gate/hold", idempotent=True)
+    rss_base = rss_bytes(proxy_pid)
+    t_open = time.perf_counter()
+    rollouts = await open_rollouts(proxy_url, n)
+    open_s = time.perf_counter() - t_open
+    rss_registered = rss_bytes(proxy_pid)
+    progress(f"  {n} rollouts opened in {open_s:.1f} s; sending one call each")
+
+    async def all_held() -> bool:
+        nonlocal rss_open, held_intercepts
+        stats = await admin(ctl, "GET", "/lowwater/stats")
+        if stats["waiting_handlers"] < n:
+            return False
+        rss_open = rss_bytes(proxy_pid)
+        held_intercepts = stats["intercepts"]["entries"]
+        return True
+
+    rss_open = held_intercepts = 0
+    results, all_open_s = await flood(host, port, rollouts, all_held, gate)
     done = [t for status, t in results if status == 200]
     rss_peak = max(rss_open, rss_bytes(proxy_pid))
     await close_rollouts(proxy_url, rollouts)
@@ -391,6 +510,107 @@ async def hold_open(proxy_url: str, gate_url: str, proxy_pid: int, n: int) -> di
         "rss_baseline_mb": rss_base / MIB,
         "rss_peak_mb": rss_peak / MIB,
         "rss_resting_mb": rss_bytes(proxy_pid) / MIB,
+    }
+
+
+async def plane_burst(plane: PlaneChild, gate: Conn, n: int, trim: bool) -> dict:
+    """One hold-open burst of ``n`` rollouts through the plane (``trim``: the
+    plane's ``trim_when_idle`` is on); figures of this burst, RSS in bytes
+    (``base`` before it, ``resting`` after it)."""
+    host, port = split_url(plane.url)
+    await gate.request("POST", "/gate/hold", idempotent=True)
+    rss_base = rss_bytes(plane.pid)
+    sockets_base = sockets_of(plane.pid)
+    t_open = time.perf_counter()
+    rollouts = await plane.open(n)
+    open_s = time.perf_counter() - t_open
+    rss_registered = rss_bytes(plane.pid)
+    progress(f"  {n} rollouts opened in {open_s:.1f} s; sending one call each")
+    rss_open = 0
+
+    async def all_held() -> bool:
+        nonlocal rss_open
+        if (await plane.acall({"op": "stats"}))["in_flight"] < n:
+            return False
+        rss_open = rss_bytes(plane.pid)
+        return True
+
+    results, all_open_s = await flood(host, port, rollouts, all_held, gate)
+    done = [t for status, t in results if status == 200]
+    rss_peak = max(rss_open, rss_bytes(plane.pid))
+    closed = await plane.close(rollouts)
+    # Resting: the plane holds no connection, call or record, and its process
+    # no more sockets than before the burst (the idle upstream connections
+    # close up to twice their 5 s idle timeout after their last call); with
+    # trim_when_idle, once the plane's second trim after the burst (a quiet
+    # second after the last call, then after the upstream connections could
+    # close) has run.  Bounded: a trim that came before `trims` was read is
+    # not waited for twice.
+    trims = (await plane.acall({"op": "stats"}))["trims"]
+    settled = {}
+    with trio.move_on_after(60):
+        while True:
+            settled = await plane.acall({"op": "stats"})
+            busy = [settled[k] for k in ("connections", "active_calls", "in_flight", "queued", "awaiting_ack")]
+            if not any(busy) and sockets_of(plane.pid) <= sockets_base:
+                break
+            await trio.sleep(0.5)
+    with trio.move_on_after(30 if trim else 0):
+        while (await plane.acall({"op": "stats"}))["trims"] < trims + 2:
+            await trio.sleep(0.5)
+    await trio.sleep(1.0)
+    samples = []
+    for _ in range(3):
+        samples.append(rss_bytes(plane.pid))
+        await trio.sleep(0.2)
+    return {
+        "open_s": open_s,
+        "all_open_s": all_open_s,
+        "first_s": min(done) if done else float("nan"),
+        "all_s": max(done) if done else float("nan"),
+        "failed": n - len(done),
+        "turns": closed["turns"],
+        "base": rss_base,
+        "registered": rss_registered,
+        "open": rss_open,
+        "peak": rss_peak,
+        "resting": min(samples),
+        "sockets_left": sockets_of(plane.pid) - sockets_base,
+        "settled": settled,
+    }
+
+
+async def hold_plane(plane: PlaneChild, gate_url: str, n: int, trim: bool = True) -> dict:
+    """Two hold-open bursts through the plane (the first after one warm-up
+    call); ``plane_`` figures: the first burst's, and what the second adds."""
+    gate = Conn(*split_url(gate_url))
+    warm = await plane.open(1)
+    assert (await Conn(*split_url(plane.url)).request("POST", "/v1/chat/completions", REQUEST, auth(warm[0])))[0] == 200
+    await plane.close(warm)
+    first = await plane_burst(plane, gate, n, trim)
+    progress(f"  first burst: resting {first['resting'] / MIB:.1f} MiB (baseline {first['base'] / MIB:.1f})")
+    second = await plane_burst(plane, gate, n, trim)
+    progress(f"  second burst: resting {second['resting'] / MIB:.1f} MiB")
+    await gate.aclose()
+    s = first["settled"]
+    return {
+        "plane_hold_open_rollouts_s": first["open_s"],
+        "plane_hold_all_calls_open_s": first["all_open_s"],
+        "plane_hold_first_response_s": first["first_s"],
+        "plane_hold_all_complete_s": first["all_s"],
+        "plane_hold_failed_count": first["failed"] + second["failed"],
+        "plane_hold_turns_recorded_count": first["turns"] + second["turns"],
+        "plane_hold_second_first_response_s": second["first_s"],
+        "plane_rss_per_open_rollout_bytes": (first["open"] - first["base"]) / n,
+        "plane_rss_per_registered_rollout_bytes": (first["registered"] - first["base"]) / n,
+        "plane_rss_baseline_mb": first["base"] / MIB,
+        "plane_rss_peak_mb": max(first["peak"], second["peak"]) / MIB,
+        "plane_rss_resting_mb": first["resting"] / MIB,
+        "plane_rss_resting_after_second_burst_mb": second["resting"] / MIB,
+        "plane_rss_resting_minus_baseline_bytes": first["resting"] - first["base"],
+        "plane_second_burst_added_bytes": second["resting"] - first["resting"],
+        "plane_sockets_left_after_close_count": second["sockets_left"],
+        "plane_connections_after_close_count": s["connections"] + second["settled"]["connections"],
     }
 
 
@@ -437,7 +657,10 @@ def gate_child() -> None:
 
     async def main():
         async with trio.open_nursery() as nursery:
-            address = await nursery.start(serve, app)
+            # Keep-alive past its clients' idle prune (5 s): a connection the
+            # gate closed just as a client reused it failed the call (502 from
+            # the plane, which the bench runs with retries=0).
+            address = await nursery.start(functools.partial(serve, app, keep_alive_s=60.0))
             print(f"http://{address}", flush=True)
 
     trio.run(main)
@@ -517,9 +740,27 @@ def main() -> None:
         default="latency,throughput,hold",
         help="comma-separated subset of latency, throughput, hold, interceptor (default: the first three)",
     )
+    p.add_argument(
+        "--servers",
+        default="proxy,plane",
+        help="comma-separated series measured beside direct calls: proxy (lowwater proxy), plane (the Rust data plane)",
+    )
+    p.add_argument(
+        "--plane-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment of the plane processes (e.g. MALLOC_ARENA_MAX=2; repeatable)",
+    )
+    p.add_argument(
+        "--plane-no-trim",
+        action="store_true",
+        help="the plane's trim_when_idle off (glibc keeps the pages a burst freed)",
+    )
     p.add_argument("--_gate-child", dest="gate_child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     phases = set(a.phases.split(","))
+    servers = set(a.servers.split(","))
     if a.gate_child:
         return gate_child()
     if a.quick:
@@ -528,10 +769,24 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
     out_dir = tempfile.mkdtemp(prefix="lowwater-bench-")
+    plane_env = {**os.environ, **dict(kv.split("=", 1) for kv in a.plane_env)}
+    use_proxy = "proxy" in servers or "interceptor" in phases
     model, model_url = start([sys.executable, "-m", "lowwater", "serve-model", "--scripted"], url_on="stdout")
-    proxy, proxy_url = start_proxy(model_url + "/v1", out_dir, a.pythonmalloc)
-    gate, gate_url = start([sys.executable, __file__, "--_gate-child"], url_on="stdout")
-    gated, gated_url = start_proxy(gate_url + "/v1", out_dir, a.pythonmalloc)
+    proxy, proxy_url = start_proxy(model_url + "/v1", out_dir, a.pythonmalloc) if use_proxy else (None, "")
+    plane = PlaneChild(model_url + "/v1", plane_env, not a.plane_no_trim) if "plane" in servers else None
+    gate, gate_url = (
+        start([sys.executable, __file__, "--_gate-child"], url_on="stdout") if "hold" in phases else (None, "")
+    )
+    gated, gated_url = (
+        start_proxy(gate_url + "/v1", out_dir, a.pythonmalloc)
+        if "hold" in phases and "proxy" in servers
+        else (None, "")
+    )
+    gated_plane = (
+        PlaneChild(gate_url + "/v1", plane_env, not a.plane_no_trim)
+        if "hold" in phases and "plane" in servers
+        else None
+    )
     hooked, hooked_url = (
         start_proxy(model_url + "/v1", out_dir, a.pythonmalloc, HOOKED_PROXY_MAIN)
         if "interceptor" in phases
@@ -545,9 +800,12 @@ def main() -> None:
                 await latency_phase()
             if "throughput" in phases:
                 await throughput_phase()
-            if "hold" in phases:
+            if "hold" in phases and gated is not None:
                 progress(f"hold-open: {a.rollouts} rollouts, one call each, held at a gated upstream")
                 results.update(await hold_open(gated_url, gate_url, gated.pid, a.rollouts))
+            if "hold" in phases and gated_plane is not None:
+                progress(f"hold-open, plane: 2 bursts of {a.rollouts} rollouts, one call each, held at the gate")
+                results.update(await hold_plane(gated_plane, gate_url, a.rollouts, not a.plane_no_trim))
             if "interceptor" in phases:
                 await interceptor_phase()
 
@@ -555,7 +813,7 @@ def main() -> None:
             progress(
                 f"interceptor: {a.rounds} x {a.latency_calls // a.rounds} calls each way, no hook vs trivial hooks"
             )
-            sides = {"plain": (proxy_url, True), "hooked": (hooked_url, True)}
+            sides = {"plain": (proxy_url, ProxyRollouts(proxy_url)), "hooked": (hooked_url, ProxyRollouts(hooked_url))}
             q = await latency_percentiles(sides, a.rounds, a.latency_calls)
             results.update(
                 {
@@ -570,46 +828,75 @@ def main() -> None:
             progress(
                 f"latency: {a.rounds} x {a.latency_calls // a.rounds} sequential calls each way, alternating call by call"
             )
-            sides = {"direct": (model_url, False), "proxy": (proxy_url, True)}
+            sides: dict[str, tuple[str, ProxyRollouts | PlaneChild | None]] = {"direct": (model_url, None)}
+            if "proxy" in servers:
+                sides["proxy"] = (proxy_url, ProxyRollouts(proxy_url))
+            if plane is not None:
+                sides["plane"] = (plane.url, plane)
             q = await latency_percentiles(sides, a.rounds, a.latency_calls)
-            results.update(
-                {
-                    "direct_p50_ms": q["direct"][49],
-                    "direct_p99_ms": q["direct"][98],
-                    "proxy_p50_ms": q["proxy"][49],
-                    "proxy_p99_ms": q["proxy"][98],
-                    "added_p50_ms": q["proxy"][49] - q["direct"][49],
-                    "added_p99_ms": q["proxy"][98] - q["direct"][98],
-                }
-            )
+            results.update({"direct_p50_ms": q["direct"][49], "direct_p99_ms": q["direct"][98]})
+            if "proxy" in q:
+                results.update(
+                    {
+                        "proxy_p50_ms": q["proxy"][49],
+                        "proxy_p99_ms": q["proxy"][98],
+                        "added_p50_ms": q["proxy"][49] - q["direct"][49],
+                        "added_p99_ms": q["proxy"][98] - q["direct"][98],
+                    }
+                )
+            if "plane" in q:
+                results.update(
+                    {
+                        "plane_p50_ms": q["plane"][49],
+                        "plane_p99_ms": q["plane"][98],
+                        "plane_added_latency_p50_ms": q["plane"][49] - q["direct"][49],
+                        "plane_added_latency_p99_ms": q["plane"][98] - q["direct"][98],
+                    }
+                )
 
         async def throughput_phase() -> None:
-            direct = Target(model_url, "/v1/chat/completions")
-            through = Target(proxy_url, "/v1/chat/completions")
             progress(
                 f"throughput: concurrency {a.concurrency}, {a.calls_per_worker} calls per worker, "
                 f"{a.rounds} interleaved rounds (+1 warm-up)"
             )
-            rollouts = await open_rollouts(proxy_url, a.concurrency)
-            rates = {"direct": [], "proxy": []}
+            sides: dict[str, tuple[Target, ProxyRollouts | PlaneChild | None]] = {
+                "direct": (Target(model_url, "/v1/chat/completions"), None)
+            }
+            if "proxy" in servers:
+                sides["proxy"] = (Target(proxy_url, "/v1/chat/completions"), ProxyRollouts(proxy_url))
+            if plane is not None:
+                sides["plane"] = (Target(plane.url, "/v1/chat/completions"), plane)
+            rollouts = {
+                side: await ctl.open(a.concurrency) if ctl else [None] * a.concurrency
+                for side, (_, ctl) in sides.items()
+            }
+            rates: dict[str, list[float]] = {side: [] for side in sides}
             for r in range(a.rounds + 1):
-                d = await throughput_round(direct, [None] * a.concurrency, a.calls_per_worker)
-                x = await throughput_round(through, rollouts, a.calls_per_worker)
-                progress(f"  round {r}: direct {d:.0f}/s, proxy {x:.0f}/s")
-                if r:  # round 0 warms both servers (connections, pools, allocator)
-                    rates["direct"].append(d)
-                    rates["proxy"].append(x)
-            await close_rollouts(proxy_url, rollouts)
-            results.update(
-                {
-                    "direct_turns_per_s": statistics.median(rates["direct"]),
-                    "proxy_turns_per_s": statistics.median(rates["proxy"]),
-                }
-            )
-            results["throughput_ratio"] = results["proxy_turns_per_s"] / results["direct_turns_per_s"]
+                line = []
+                for side, (target_, _) in sides.items():
+                    rate = await throughput_round(target_, rollouts[side], a.calls_per_worker)
+                    line.append(f"{side} {rate:.0f}/s")
+                    if r:  # round 0 warms every server (connections, pools, allocator)
+                        rates[side].append(rate)
+                progress(f"  round {r}: " + ", ".join(line))
+            for side, (_, ctl) in sides.items():
+                if ctl:
+                    await ctl.close(rollouts[side])
+            results["direct_turns_per_s"] = statistics.median(rates["direct"])
+            if "proxy" in rates:
+                results["proxy_turns_per_s"] = statistics.median(rates["proxy"])
+                results["throughput_ratio"] = results["proxy_turns_per_s"] / results["direct_turns_per_s"]
+            if "plane" in rates:
+                results["plane_turns_per_s"] = statistics.median(rates["plane"])
+                results["plane_vs_direct_throughput_ratio"] = (
+                    results["plane_turns_per_s"] / results["direct_turns_per_s"]
+                )
 
         trio.run(run)
     finally:
+        for child in (gated_plane, plane):
+            if child is not None:
+                child.stop()
         for proc in (hooked, gated, gate, proxy, model):
             if proc is not None:
                 stop(proc)
@@ -620,6 +907,7 @@ def main() -> None:
         request_bytes=len(REQUEST),
         cores=os.cpu_count(),
         pythonmalloc=a.pythonmalloc or "default (pymalloc)",
+        servers=sorted(servers),
     )
     limits = {
         "added_p50_ms": {"max": 3.0},
@@ -627,6 +915,15 @@ def main() -> None:
         "hold_first_response_s": {"max": 5.0},
         "hold_failed_count": {"max": 0},
         "hold_rss_per_open_rollout_bytes": {"max": 32 * 1024},
+        # The data plane's targets (docs/dataplane.md#measured).
+        "plane_added_latency_p50_ms": {"max": 0.25},
+        "plane_added_latency_p99_ms": {"max": 1.0},
+        "plane_vs_direct_throughput_ratio": {"min": 0.85},
+        "plane_hold_first_response_s": {"max": 1.0},
+        "plane_hold_failed_count": {"max": 0},
+        "plane_rss_per_open_rollout_bytes": {"max": 8 * 1024},
+        "plane_rss_resting_minus_baseline_bytes": {"max": 16 * MIB},
+        "plane_second_burst_added_bytes": {"max": 1 * MIB},
     }
     targets = {key: target(results[key], **bound) for key, bound in limits.items() if key in results}
     emit("interception", params, results, targets)

@@ -446,6 +446,10 @@ class DataPlane:
             matches, are handed to the control plane as ``"route"``
             :class:`Upcall` s (any method; body under ``max_body_bytes``).
             Empty (the default): such requests are 404.
+        trim_when_idle: give glibc's free heap pages back to the OS
+            (``malloc_trim(0)`` on a thread of its own, never a worker) once no
+            call ran for a second, and again once the idle upstream
+            connections have closed (``stats()["trims"]`` counts them).
 
     Raises:
         DataPlaneConfigError: an unusable configuration (see the exception),
@@ -483,6 +487,7 @@ class DataPlane:
         rewrites: Mapping[str, Mapping[str, Mapping[str, str | tuple[str, tuple[str, ...]]]]] | None = None,
         intercept: bool | Sequence[str] | None = None,
         python_routes: Sequence[str] = ...,
+        trim_when_idle: bool = True,
     ) -> Self: ...
     @property
     def protocols(self) -> list[dict[str, Any]]:
@@ -614,7 +619,8 @@ class DataPlane:
         ``upstream_requests`` and ``upstream_retried``: attempts sent
         upstream since start, and of those the retries;
         ``pending_upcalls`` (upcalls waiting for an answer) and the counter
-        ``upcalls`` (made since start).
+        ``upcalls`` (made since start);
+        ``trims`` (times free heap pages were given back, ``trim_when_idle``).
 
         Raises:
             DataPlaneClosed: after :meth:`close`.

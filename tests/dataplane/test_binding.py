@@ -510,3 +510,22 @@ def test_an_upstream_error_and_a_client_that_leaves_leave_nothing() -> None:
         assert trajectory.turns and trajectory.turns[0].error is not None
 
     run(fn)
+
+
+@pytest.mark.parametrize("trim_when_idle", [True, False])
+def test_plane_trims_once_quiet_only_when_asked(trim_when_idle: bool) -> None:
+    """A call, then quiet: the plane gives free heap pages back on its trim
+    thread (counted in ``trims``), and never with ``trim_when_idle=False``."""
+
+    async def fn(r: Rig) -> None:
+        r.open("r0", "s0")
+        assert (await r.chat("s0", [{"role": "user", "content": "hi"}])).status_code == 200
+        await r.settled()
+        if trim_when_idle:
+            while r.plane.stats()["trims"] == 0:  # the GUARD_S deadline bounds this
+                await trio.sleep(0.1)
+        else:
+            await trio.sleep(2.5)  # past the quiet second, twice
+            assert r.plane.stats()["trims"] == 0
+
+    run(fn, trim_when_idle=trim_when_idle)

@@ -16,6 +16,7 @@ use crate::queue::CompletionQueue;
 use crate::rewrite::Rewrites;
 use crate::rollouts::RolloutTable;
 use crate::server::{accept_loop, Counters, Shared};
+use crate::trim::Trimmer;
 use crate::upcall::{Intercept, Upcalls};
 use crate::upstream::Upstream;
 
@@ -73,6 +74,12 @@ pub struct Config {
     /// A prefix matches by whole segments: `/lowwater/` (or `/lowwater`)
     /// takes `/lowwater` and `/lowwater/stats`, not `/lowwaterx`.
     pub python_routes: Vec<String>,
+    /// Give glibc's free heap pages back to the OS (`malloc_trim(0)`, on a
+    /// thread of its own) once no call has run for a second, and again after
+    /// the idle upstream connections have closed (true).  Without it a
+    /// burst of open rollouts leaves the process at its peak (measured in
+    /// src/trim.rs and docs/dataplane.md#the-allocator).  No effect without glibc.
+    pub trim_when_idle: bool,
 }
 
 impl std::fmt::Debug for Config {
@@ -125,6 +132,7 @@ impl Config {
             rewrites: HashMap::new(),
             intercept: Intercept::Off,
             python_routes: Vec::new(),
+            trim_when_idle: true,
         }
     }
 }
@@ -204,6 +212,9 @@ pub struct Stats {
     pub pending_upcalls: usize,
     /// Upcalls made (intercept and route).
     pub upcalls: u64,
+    /// Times the plane gave glibc's free heap pages back to the OS
+    /// (`malloc_trim`, once quiet; see [`Config::trim_when_idle`]).
+    pub trims: u64,
 }
 
 /// A running data plane: its own tokio runtime, listener and tables.
@@ -216,6 +227,7 @@ pub struct DataPlane {
     addr: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
     runtime: Option<tokio::runtime::Runtime>,
+    trimmer: Trimmer,
 }
 
 impl std::fmt::Debug for DataPlane {
@@ -277,8 +289,9 @@ impl DataPlane {
             upcalls,
         });
         let (stop, stopped) = oneshot::channel();
+        let trimmer = Trimmer::start(&shared, config.pool_idle_timeout, config.trim_when_idle)?;
         runtime.spawn(accept_loop(Arc::clone(&shared), listener, stopped));
-        Ok(DataPlane { shared, addr, stop: Some(stop), runtime: Some(runtime) })
+        Ok(DataPlane { shared, addr, stop: Some(stop), runtime: Some(runtime), trimmer })
     }
 
     /// The address the server listens on.
@@ -392,6 +405,7 @@ impl DataPlane {
             upstream_retried: get(&sh.upstream.retried),
             pending_upcalls: sh.upcalls.pending(),
             upcalls: sh.upcalls.total(),
+            trims: get(&c.trims),
         }
     }
 
@@ -411,6 +425,7 @@ impl DataPlane {
         }
         self.shared.upcalls.close();
         self.shared.queue.release_all();
+        self.trimmer.stop_and_join();
         if let Some(rt) = self.runtime.take() {
             rt.shutdown_timeout(timeout);
         }
@@ -422,6 +437,7 @@ impl DataPlane {
         }
         self.shared.upcalls.close();
         self.shared.queue.release_all();
+        self.trimmer.stop();
         if let Some(rt) = self.runtime.take() {
             rt.shutdown_background();
         }

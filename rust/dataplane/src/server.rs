@@ -63,6 +63,7 @@ pub(crate) struct Counters {
     pub(crate) closed: AtomicU64,
     pub(crate) disconnected: AtomicU64,
     pub(crate) refused: AtomicU64,
+    pub(crate) trims: crate::trim::TrimCount,
 }
 
 /// What every connection and call shares.

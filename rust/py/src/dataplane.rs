@@ -229,6 +229,7 @@ impl DataPlane {
         rewrites = None,
         intercept = None,
         python_routes = Vec::new(),
+        trim_when_idle = true,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -253,6 +254,7 @@ impl DataPlane {
         rewrites: Option<&Bound<'_, PyAny>>,
         intercept: Option<&Bound<'_, PyAny>>,
         python_routes: Vec<String>,
+        trim_when_idle: bool,
     ) -> PyResult<Self> {
         guarded(|| {
             let mut config = Config::new(upstream);
@@ -281,6 +283,7 @@ impl DataPlane {
             }
             config.intercept = intercept.map(intercept_of).transpose()?.unwrap_or_default();
             config.python_routes = python_routes;
+            config.trim_when_idle = trim_when_idle;
             let host = host.to_owned();
             // Name resolution and the runtime's start can block: GIL released.
             let plane = py.detach(move || -> PyResult<Plane> {
@@ -429,6 +432,7 @@ impl DataPlane {
         d.set_item("upstream_retried", s.upstream_retried)?;
         d.set_item("pending_upcalls", s.pending_upcalls)?;
         d.set_item("upcalls", s.upcalls)?;
+        d.set_item("trims", s.trims)?;
         Ok(d)
     }
 

@@ -13,6 +13,11 @@ mod intercept;
 mod protocols;
 mod table;
 
+// Off by default (rust/py/Cargo.toml, docs/dataplane.md#the-allocator).
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static ALLOC: lowwater_dataplane::Allocator = lowwater_dataplane::Allocator;
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;

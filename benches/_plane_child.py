@@ -1,0 +1,104 @@
+"""The standalone data-plane process of benches/interception.py and tests/memory/test_plane_rss.py.
+
+One process as the data plane will run: a :class:`lowwater._native.DataPlane`
+serving calls on its tokio threads, and a Trio control plane that drains its
+records into one :class:`~lowwater.trajectory.Trajectory` per open rollout
+(:func:`~lowwater.interception.dataplane.serve_records`,
+:func:`~lowwater.interception.dataplane.turn_of`) and drops a rollout's
+trajectory when it closes.
+
+Usage: ``python benches/_plane_child.py UPSTREAM [--no-trim]`` (the
+upstream's base URL, ending ``/v1``; ``--no-trim``: the plane's
+``trim_when_idle`` off, glibc keeping what a burst freed).  It prints the plane's ``http://host:port`` as its first
+stdout line, then serves a control channel kept off the measured path: one
+JSON object per stdin line, one JSON reply per stdout line, in order:
+
+* ``{"op": "open", "rollouts": [[rollout_id, secret], ...]}`` ->
+  ``{"opened": n}``: registers each rollout and opens its trajectory.
+* ``{"op": "close", "ids": [...]}`` -> ``{"closed": n, "turns": t,
+  "cancelled": c}``: unregisters each rollout and drops its trajectory
+  (``t`` turns were recorded in them; ``c`` calls were cancelled).
+* ``{"op": "stats"}`` -> the plane's ``stats()`` and ``trajectories``
+  (open), ``turns`` (recorded in all), ``orphans`` (records of rollouts
+  already closed).
+
+At end of input the plane is closed and the process exits.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import orjson
+import trio
+
+from lowwater._native import DataPlane, TurnRecord
+from lowwater.interception.dataplane import serve_records, turn_of
+from lowwater.trajectory import Trajectory
+
+
+def main(upstream: str, trim_when_idle: bool) -> None:
+    # Each open rollout holds a client socket and, at the gate, an upstream one.
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    plane = DataPlane(upstream, retries=0, trim_when_idle=trim_when_idle)
+    trajectories: dict[str, Trajectory] = {}
+    counts = {"turns": 0, "orphans": 0}
+
+    def on_record(record: TurnRecord) -> None:
+        trajectory = trajectories.get(record.rollout_id)
+        if trajectory is None:
+            counts["orphans"] += 1
+            return
+        trajectory.add_turn(turn_of(record, trajectory))
+        counts["turns"] += 1
+
+    def handle(request: dict) -> dict:
+        op = request["op"]
+        if op == "open":
+            for rollout_id, secret in request["rollouts"]:
+                plane.register(rollout_id, secret)
+                trajectories[rollout_id] = Trajectory(rollout_id)
+            return {"opened": len(request["rollouts"])}
+        if op == "close":
+            turns = cancelled = 0
+            for rollout_id in request["ids"]:
+                cancelled += plane.unregister(rollout_id)
+                turns += len(trajectories.pop(rollout_id).turns)
+            return {"closed": len(request["ids"]), "turns": turns, "cancelled": cancelled}
+        if op == "stats":
+            return {**plane.stats(), "trajectories": len(trajectories), **counts}
+        raise ValueError(f"unknown op {op!r}")
+
+    async def control(cancel: trio.CancelScope) -> None:
+        stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+        buf = bytearray()
+        while True:
+            while (eol := buf.find(b"\n")) < 0:
+                data = await stdin.receive_some(1 << 20)
+                if not data:
+                    cancel.cancel()
+                    return
+                buf += data
+            line = bytes(buf[:eol])
+            del buf[: eol + 1]
+            sys.stdout.buffer.write(orjson.dumps(handle(orjson.loads(line))) + b"\n")
+            sys.stdout.buffer.flush()
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve_records, plane, on_record)
+            await control(nursery.cancel_scope)
+
+    print(f"http://{plane.address}", flush=True)
+    try:
+        trio.run(run)
+    finally:
+        plane.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], "--no-trim" not in sys.argv[2:])
