@@ -481,14 +481,15 @@ async def hold_open(proxy_url: str, gate_url: str, proxy_pid: int, n: int) -> di
     done = [t for status, t in results if status == 200]
     rss_peak = max(rss_open, rss_bytes(proxy_pid))
     await close_rollouts(proxy_url, rollouts)
-    # Resting: once the upstream connections the burst left idle are pruned
-    # (keep-alive expiry, 5 s, then the next pruning pass) and the trim after
-    # them has run; the proxy trims at most once a second.
-    trims = (await admin(ctl, "GET", "/lowwater/stats"))["trims"]
+    # Resting: once the data plane's two trims after the burst have run (one
+    # when it went quiet, one once the idle upstream connections could
+    # close) and the proxy's own trim after the closes; bounded, as a trim
+    # that came before the counters were read would not be seen again.
+    before = await admin(ctl, "GET", "/lowwater/stats")
     with trio.move_on_after(30):
         while True:
             stats = await admin(ctl, "GET", "/lowwater/stats")
-            if stats["upstream"]["connections_idle"] == 0 and stats["trims"] > trims:
+            if stats["plane"]["trims"] >= before["plane"]["trims"] + 2 and stats["trims"] > before["trims"]:
                 break
             await trio.sleep(0.5)
     await trio.sleep(1.5)
@@ -506,7 +507,7 @@ async def hold_open(proxy_url: str, gate_url: str, proxy_pid: int, n: int) -> di
         "hold_rss_per_open_rollout_bytes": (rss_open - rss_base) / n,
         "hold_rss_per_registered_rollout_bytes": (rss_registered - rss_base) / n,
         "hold_intercepts_after_close_count": stats["intercepts"]["entries"],
-        "hold_upstream_idle_after_close_count": stats["upstream"]["connections_idle"],
+        "hold_calls_in_flight_after_close_count": stats["plane"]["in_flight"],
         "rss_baseline_mb": rss_base / MIB,
         "rss_peak_mb": rss_peak / MIB,
         "rss_resting_mb": rss_bytes(proxy_pid) / MIB,
