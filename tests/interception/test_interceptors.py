@@ -147,3 +147,36 @@ def test_ordered_hooks_are_not_fired_as_lifecycle_hooks():
 def test_reject_status_is_checked():
     with pytest.raises(ValueError):
         Reject(200, "ok")
+
+
+def test_the_call_state_kept_for_response_hooks_is_dropped_on_every_path():
+    """The ``InterceptedCall`` a call's request hooks saw is kept for its
+    ``intercept_response`` (by request id) until its record: answered,
+    failed upstream and unregistered mid-call all leave none behind."""
+    meter = Meter()
+
+    async def fn(h):
+        h.server.interceptors = _interceptors(Redact(), Refuse(), meter)
+        slot, trajectory = h.open("ok")
+        assert (await h.call(slot, "chat", body("chat"))).status_code == 200
+        h.upstream.statuses.extend([500])  # one failure, no retry: an error turn
+        assert (await h.call(slot, "chat", body("chat", "again"))).status_code == 502
+        assert [t.error for t in trajectory.turns] == [None, "upstream answered 500"]
+        h.upstream.hang = True
+        waiting, _ = h.open("closed")
+
+        async def call():
+            assert (await h.call(waiting, "chat", body("chat"))).status_code == 410
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            with trio.fail_after(20):  # a guard, not a timing assertion
+                while h.server.stats()["waiting_handlers"] == 0:
+                    await trio.sleep(0.01)
+            assert len(h.server._intercepted) == 1  # the waiting call's
+            h.server.unregister("closed")
+        await h.assert_clean()
+        assert h.server._intercepted == {}
+        assert len(meter.seen) == 2  # both recorded calls reached intercept_response
+
+    run(fn, client={"retries": 0})
