@@ -206,6 +206,8 @@ class InterceptionServer:
             for rollout_id in list(self.slots):
                 if (slot := self.slots.get(rollout_id)) is not None:
                     slot.closed = True  # its calls ended with the plane
+                # The table outlives the plane (its owner may read it): no rollout left open in it.
+                self.table.close_rollout(rollout_id)
             self._intercepted.clear()
             # Shielded: a cancelled run must still join the plane's threads.
             with trio.CancelScope(shield=True):
@@ -245,10 +247,15 @@ class InterceptionServer:
 
     @sampling.setter
     def sampling(self, sampling: dict[str, Any]) -> None:
-        # Encoded now: a value orjson cannot encode fails here, not on a call.
-        self._sampling = dict(sampling)
+        previous, self._sampling = self._sampling, dict(sampling)
+        try:
+            # Encoded now: a value orjson cannot encode fails here, not on a call.
+            rules = self._rewrites()
+        except Exception:
+            self._sampling = previous
+            raise
         if self.plane is not None:
-            self.plane.set_rewrites(self._rewrites())
+            self.plane.set_rewrites(rules)
 
     @property
     def interceptors(self) -> Interceptors | None:
