@@ -239,7 +239,9 @@ class InterceptionServer:
         )
 
     def _rewrites(self) -> dict[str, dict[str, dict[str, Any]]]:
-        return rewrites_for(self._sampling, request_logprobs=self.request_logprobs, protocols=list(self.routes.values()))
+        return rewrites_for(
+            self._sampling, request_logprobs=self.request_logprobs, protocols=list(self.routes.values())
+        )
 
     @property
     def sampling(self) -> dict[str, Any]:
