@@ -129,26 +129,32 @@ async def burst(plane: Plane, gate: str, n: int, tag: str) -> None:
     assert (closed["closed"], closed["turns"], closed["cancelled"]) == (n, n, 0), closed
 
 
-def resting(plane: Plane, sockets: int) -> int:
-    """The plane's RSS at rest (bytes): nothing held, and no more sockets than ``sockets``.
+def resting(plane: Plane, sockets: int, trims: int) -> int:
+    """The plane's RSS at rest (bytes): nothing held, no more sockets than
+    ``sockets``, and both of the plane's trims after the burst done (its
+    stats counted ``trims`` before the burst).
 
-    The idle upstream connections close 5 s after their last call; the
-    plane trims once they are gone, so the RSS is read a moment after that.
+    The plane trims once quiet for a second, and again once its idle upstream
+    connections could close (up to 11 s after the last call); no trim runs
+    while a call is active, so exactly two follow a burst.  Reading the RSS
+    after a fixed wait instead sampled it before the second trim (a second
+    burst seen as +51 MiB).
     """
 
     last: dict = {}
 
     def idle() -> dict | None:
         s = plane.call({"op": "stats"})
-        last.update(s, sockets=plane.sockets(), sockets_before=sockets)
-        return s if not any(s[k] for k in BUSY) and last["sockets"] <= sockets else None
+        last.update(s, sockets=plane.sockets(), sockets_before=sockets, trims_before=trims)
+        quiet = not any(s[k] for k in BUSY) and last["sockets"] <= sockets
+        return s if quiet and s["trims"] >= trims + 2 else None
 
     try:
         s = wait_until(idle, "the plane at rest", poll_s=0.5)
     except AssertionError as e:
         raise AssertionError(f"{e}; last seen: {last}") from None
     assert (s["trajectories"], s["orphans"]) == (0, 0), s
-    time.sleep(2.0)
+    time.sleep(0.5)
     samples = []
     for _ in range(3):
         samples.append(rss_of(plane.proc.pid))
@@ -175,12 +181,10 @@ def test_plane_rests_near_its_baseline_after_bursts(tmp_path, record_property):
         plane.call({"op": "stats"})  # its Trio loop runs (and holds its wakeup sockets)
         sockets = plane.sockets()
         figures["start"] = rss_of(plane.proc.pid)
-        await burst(plane, gate_url, WARMUP, "warm")
-        figures["warm"] = await trio.to_thread.run_sync(resting, plane, sockets)
-        await burst(plane, gate_url, BURST, "first")
-        figures["first"] = await trio.to_thread.run_sync(resting, plane, sockets)
-        await burst(plane, gate_url, BURST, "second")
-        figures["second"] = await trio.to_thread.run_sync(resting, plane, sockets)
+        for tag, n in (("warm", WARMUP), ("first", BURST), ("second", BURST)):
+            trims = plane.call({"op": "stats"})["trims"]
+            await burst(plane, gate_url, n, tag)
+            figures[tag] = await trio.to_thread.run_sync(resting, plane, sockets, trims)
 
     try:
         trio.run(main)
