@@ -109,9 +109,7 @@ pub struct CompletionQueue {
     /// what releases the call, so an ack must take the sender out at once.
     acks: Mutex<HashMap<u64, oneshot::Sender<Verdict>, foldhash::fast::RandomState>>,
     next_seq: AtomicU64,
-    wakeup: OwnedFd,
-    /// The pipe's write end (`None` for an eventfd, which is both ends).
-    wakeup_write: Option<OwnedFd>,
+    wakeup: Wakeup,
 }
 
 impl CompletionQueue {
@@ -120,20 +118,19 @@ impl CompletionQueue {
     /// # Errors
     /// The OS error if the eventfd (or pipe) cannot be made.
     pub fn new() -> std::io::Result<Self> {
-        let (wakeup, wakeup_write) = wakeup_fd()?;
+        let wakeup = Wakeup::new()?;
         Ok(CompletionQueue {
             records: Mutex::new(VecDeque::new()),
             acks: Mutex::new(HashMap::default()),
             next_seq: AtomicU64::new(0),
             wakeup,
-            wakeup_write,
         })
     }
 
     /// The fd that becomes readable when records are waiting; wait on it,
     /// then [`CompletionQueue::drain`].  Owned by the queue: do not close it.
     pub fn wakeup_fd(&self) -> RawFd {
-        self.wakeup.as_raw_fd()
+        self.wakeup.fd()
     }
 
     /// A fresh record sequence number.
@@ -155,13 +152,13 @@ impl CompletionQueue {
             was_empty
         };
         if was_empty {
-            self.wake();
+            self.wakeup.wake();
         }
     }
 
     /// Every waiting record, oldest first (clears the wakeup fd first).
     pub fn drain(&self) -> Vec<TurnRecord> {
-        self.clear_wakeup();
+        self.wakeup.clear();
         let mut q = self.records.lock().unwrap_or_else(PoisonError::into_inner);
         q.drain(..).collect()
     }
@@ -217,24 +214,47 @@ impl CompletionQueue {
     ) -> std::sync::MutexGuard<'_, HashMap<u64, oneshot::Sender<Verdict>, foldhash::fast::RandomState>> {
         self.acks.lock().unwrap_or_else(PoisonError::into_inner)
     }
+}
 
-    fn wake(&self) {
-        let fd = self.wakeup_write.as_ref().unwrap_or(&self.wakeup).as_raw_fd();
+/// A wakeup fd: readable while something waits to be drained.  An eventfd
+/// on Linux (a pipe elsewhere), written once when a queue goes from empty
+/// to non-empty and cleared before the queue is taken, so no wakeup is lost
+/// and a burst costs one write.  Shared by the record queue and the upcalls.
+#[derive(Debug)]
+pub(crate) struct Wakeup {
+    read: OwnedFd,
+    /// The pipe's write end (`None` for an eventfd, which is both ends).
+    write: Option<OwnedFd>,
+}
+
+impl Wakeup {
+    pub(crate) fn new() -> std::io::Result<Self> {
+        let (read, write) = wakeup_fd()?;
+        Ok(Wakeup { read, write })
+    }
+
+    /// The fd to wait on (owned here: never close it).
+    pub(crate) fn fd(&self) -> RawFd {
+        self.read.as_raw_fd()
+    }
+
+    pub(crate) fn wake(&self) {
+        let fd = self.write.as_ref().unwrap_or(&self.read).as_raw_fd();
         let one: u64 = 1;
-        let len = if self.wakeup_write.is_some() { 1 } else { 8 };
-        // SAFETY: `fd` is open for the queue's life; `one` outlives the call.
+        let len = if self.write.is_some() { 1 } else { 8 };
+        // SAFETY: `fd` is open for the owner's life; `one` outlives the call.
         // A full pipe (EAGAIN) already signals readable; nothing to do then.
         let _ = unsafe { libc::write(fd, (&one as *const u64).cast(), len) };
     }
 
-    fn clear_wakeup(&self) {
+    pub(crate) fn clear(&self) {
         let mut buf = [0u8; 64];
-        let len = if self.wakeup_write.is_some() { buf.len() } else { 8 };
+        let len = if self.write.is_some() { buf.len() } else { 8 };
         loop {
-            // SAFETY: `wakeup` is open and non-blocking; `buf` is valid for `len` bytes.
-            let n = unsafe { libc::read(self.wakeup.as_raw_fd(), buf.as_mut_ptr().cast(), len) };
+            // SAFETY: the fd is open and non-blocking; `buf` is valid for `len` bytes.
+            let n = unsafe { libc::read(self.read.as_raw_fd(), buf.as_mut_ptr().cast(), len) };
             // An eventfd read resets its counter in one go; a pipe is read until empty.
-            if n <= 0 || self.wakeup_write.is_none() {
+            if n <= 0 || self.write.is_none() {
                 break;
             }
         }
@@ -242,7 +262,7 @@ impl CompletionQueue {
 }
 
 #[cfg(target_os = "linux")]
-pub(crate) fn wakeup_fd() -> std::io::Result<(OwnedFd, Option<OwnedFd>)> {
+fn wakeup_fd() -> std::io::Result<(OwnedFd, Option<OwnedFd>)> {
     // SAFETY: plain syscall; the fd is checked before it is owned.
     let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
     if fd < 0 {
@@ -253,7 +273,7 @@ pub(crate) fn wakeup_fd() -> std::io::Result<(OwnedFd, Option<OwnedFd>)> {
 }
 
 #[cfg(not(target_os = "linux"))]
-pub(crate) fn wakeup_fd() -> std::io::Result<(OwnedFd, Option<OwnedFd>)> {
+fn wakeup_fd() -> std::io::Result<(OwnedFd, Option<OwnedFd>)> {
     let mut fds = [0; 2];
     // SAFETY: `fds` has room for the two fds pipe writes.
     if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {

@@ -187,7 +187,7 @@ pub use plane_side::*;
 #[cfg(not(loom))]
 mod plane_side {
     use std::collections::VecDeque;
-    use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+    use std::os::fd::RawFd;
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     use std::sync::Arc;
 
@@ -264,8 +264,7 @@ mod plane_side {
     pub struct Upcalls {
         pending: Pending<Sink>,
         queue: std::sync::Mutex<VecDeque<Upcall>>,
-        wakeup: OwnedFd,
-        wakeup_write: Option<OwnedFd>,
+        wakeup: crate::queue::Wakeup,
         /// By protocol id: whether its calls are intercepted (switched at
         /// run time by [`Upcalls::set_intercept`]: a control plane whose
         /// plugins change while it serves).
@@ -314,12 +313,11 @@ mod plane_side {
                     return Err(ConfigError::Upcall(format!("python route prefix {r:?} must start with '/'")).into());
                 }
             }
-            let (wakeup, wakeup_write) = crate::queue::wakeup_fd()?;
+            let wakeup = crate::queue::Wakeup::new()?;
             Ok(Upcalls {
                 pending: Pending::new(),
                 queue: std::sync::Mutex::new(VecDeque::new()),
                 wakeup,
-                wakeup_write,
                 intercept: mask.into_iter().map(AtomicBool::new).collect(),
                 // Kept without the trailing slash ("" for "/": every path).
                 routes: routes.iter().map(|r| r.trim_end_matches('/').to_owned()).collect(),
@@ -330,13 +328,13 @@ mod plane_side {
         /// The fd that becomes readable when upcalls wait to be drained;
         /// owned by the plane, do not close it.
         pub fn wakeup_fd(&self) -> RawFd {
-            self.wakeup.as_raw_fd()
+            self.wakeup.fd()
         }
 
         /// Every queued upcall still waiting, oldest first (clears the fd first).
         /// One whose client left or whose rollout closed meanwhile is skipped.
         pub fn drain(&self) -> Vec<Upcall> {
-            self.clear_wakeup();
+            self.wakeup.clear();
             let taken: Vec<Upcall> = lock(&self.queue).drain(..).collect();
             taken.into_iter().filter(|u| self.pending.contains(u.id)).collect()
         }
@@ -503,32 +501,11 @@ mod plane_side {
                 was_empty
             };
             if was_empty {
-                self.wake();
+                self.wakeup.wake();
             }
             // A dropped sender without an answer cannot happen (every taker
             // sends); count it as the plane closing.
             rx.await.unwrap_or(Answer::Closing)
-        }
-
-        fn wake(&self) {
-            let fd = self.wakeup_write.as_ref().unwrap_or(&self.wakeup).as_raw_fd();
-            let one: u64 = 1;
-            let len = if self.wakeup_write.is_some() { 1 } else { 8 };
-            // SAFETY: `fd` is open for the table's life; `one` outlives the call.
-            // A full pipe (EAGAIN) already signals readable.
-            let _ = unsafe { libc::write(fd, (&one as *const u64).cast(), len) };
-        }
-
-        fn clear_wakeup(&self) {
-            let mut buf = [0u8; 64];
-            let len = if self.wakeup_write.is_some() { buf.len() } else { 8 };
-            loop {
-                // SAFETY: `wakeup` is open and non-blocking; `buf` is valid for `len` bytes.
-                let n = unsafe { libc::read(self.wakeup.as_raw_fd(), buf.as_mut_ptr().cast(), len) };
-                if n <= 0 || self.wakeup_write.is_none() {
-                    break;
-                }
-            }
         }
     }
 
