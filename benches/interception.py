@@ -7,7 +7,10 @@ draining its records into one trajectory per rollout, the rollouts opened
 and closed over the child's stdin/stdout, off the measured path), and for
 the hold-open phase a *gate* upstream (this script in ``--_gate-child``
 mode) that holds every request until released, with a proxy and a plane in
-front of it.  ``--servers`` picks the series beside direct (default both).  The load generator (this process) is a minimal raw-socket
+front of it.  ``--servers`` picks the series beside direct (default both);
+``--previous CHECKOUT`` adds a third, the ``lowwater proxy`` of a commit
+before the data plane (the Python server on the call path), for the
+side-by-side.  The load generator (this process) is a minimal raw-socket
 HTTP/1.1 client on Trio, so the figures measure the servers, not a heavy
 client; it sends non-streamed chat completions.
 
@@ -38,7 +41,7 @@ client; it sends non-streamed chat completions.
 Usage: ``python benches/interception.py [--quick] [--latency-calls 2000]
 [--concurrency 256] [--calls-per-worker 20] [--rounds 2] [--rollouts 16384]
 [--phases latency,throughput,hold,interceptor] [--servers proxy,plane]
-[--plane-env NAME=VALUE] [--plane-no-trim]``.
+[--plane-env NAME=VALUE] [--plane-no-trim] [--previous CHECKOUT]``.
 The last stdout line is the JSON object benches/README.md#output describes.
 """
 
@@ -451,14 +454,12 @@ async def flood(
     return results, all_open_s
 
 
-async def hold_open(proxy_url: str, gate_url: str, proxy_pid: int, n: int) -> dict:
+async def proxy_burst(proxy_url: str, gate: Conn, proxy_pid: int, n: int) -> dict:
+    """One hold-open burst of ``n`` rollouts through a ``lowwater proxy``;
+    figures of this burst, RSS in bytes (``base`` before it, ``resting``
+    after it)."""
     host, port = split_url(proxy_url)
-    gate = Conn(*split_url(gate_url))
     ctl = Conn(host, port)
-    # Warm the proxy's path once, then close the gate.
-    warm = await open_rollouts(proxy_url, 1)
-    assert (await Conn(host, port).request("POST", "/v1/chat/completions", REQUEST, auth(warm[0])))[0] == 200
-    await close_rollouts(proxy_url, warm)
     await gate.request("POST", "/gate/hold", idempotent=True)
     rss_base = rss_bytes(proxy_pid)
     t_open = time.perf_counter()
@@ -484,34 +485,71 @@ async def hold_open(proxy_url: str, gate_url: str, proxy_pid: int, n: int) -> di
     # Resting: once the data plane's two trims after the burst have run (one
     # when it went quiet, one once the idle upstream connections could
     # close) and the proxy's own trim after the closes; bounded, as a trim
-    # that came before the counters were read would not be seen again.
+    # that came before the counters were read would not be seen again.  A
+    # proxy before the data plane (--previous) has only its own trim.
     before = await admin(ctl, "GET", "/lowwater/stats")
     with trio.move_on_after(30):
         while True:
             stats = await admin(ctl, "GET", "/lowwater/stats")
-            if stats["plane"]["trims"] >= before["plane"]["trims"] + 2 and stats["trims"] > before["trims"]:
+            plane_trimmed = "plane" not in stats or stats["plane"]["trims"] >= before["plane"]["trims"] + 2
+            if plane_trimmed and stats["trims"] > before["trims"]:
                 break
             await trio.sleep(0.5)
     await trio.sleep(1.5)
     stats = await admin(ctl, "GET", "/lowwater/stats")
     await ctl.aclose()
-    await gate.aclose()
     return {
-        "hold_rollouts_count": n,
-        "hold_open_rollouts_s": open_s,
-        "hold_all_calls_open_s": all_open_s,
-        "hold_intercepts_held_count": held_intercepts,
-        "hold_first_response_s": min(done) if done else float("nan"),
-        "hold_all_complete_s": max(done) if done else float("nan"),
-        "hold_failed_count": n - len(done),
-        "hold_rss_per_open_rollout_bytes": (rss_open - rss_base) / n,
-        "hold_rss_per_registered_rollout_bytes": (rss_registered - rss_base) / n,
-        "hold_intercepts_after_close_count": stats["intercepts"]["entries"],
-        "hold_calls_in_flight_after_close_count": stats["plane"]["in_flight"],
-        "rss_baseline_mb": rss_base / MIB,
-        "rss_peak_mb": rss_peak / MIB,
-        "rss_resting_mb": rss_bytes(proxy_pid) / MIB,
+        "open_s": open_s,
+        "all_open_s": all_open_s,
+        "held_intercepts": held_intercepts,
+        "first_s": min(done) if done else float("nan"),
+        "all_s": max(done) if done else float("nan"),
+        "failed": n - len(done),
+        "base": rss_base,
+        "registered": rss_registered,
+        "open": rss_open,
+        "peak": rss_peak,
+        "resting": rss_bytes(proxy_pid),
+        "intercepts_after": stats["intercepts"]["entries"],
+        "in_flight_after": stats["plane"]["in_flight"] if "plane" in stats else stats["waiting_handlers"],
     }
+
+
+async def hold_open(proxy_url: str, gate_url: str, proxy_pid: int, n: int, prefix: str = "") -> dict:
+    """Two hold-open bursts through a ``lowwater proxy`` (the first after one
+    warm-up call); ``{prefix}hold_`` figures: the first burst's, and what the
+    second adds."""
+    host, port = split_url(proxy_url)
+    gate = Conn(*split_url(gate_url))
+    warm = await open_rollouts(proxy_url, 1)
+    assert (await Conn(host, port).request("POST", "/v1/chat/completions", REQUEST, auth(warm[0])))[0] == 200
+    await close_rollouts(proxy_url, warm)
+    first = await proxy_burst(proxy_url, gate, proxy_pid, n)
+    progress(f"  first burst: resting {first['resting'] / MIB:.1f} MiB (baseline {first['base'] / MIB:.1f})")
+    second = await proxy_burst(proxy_url, gate, proxy_pid, n)
+    progress(f"  second burst: resting {second['resting'] / MIB:.1f} MiB")
+    await gate.aclose()
+    figures = {
+        "hold_rollouts_count": n,
+        "hold_open_rollouts_s": first["open_s"],
+        "hold_all_calls_open_s": first["all_open_s"],
+        "hold_intercepts_held_count": first["held_intercepts"],
+        "hold_first_response_s": first["first_s"],
+        "hold_all_complete_s": first["all_s"],
+        "hold_failed_count": first["failed"] + second["failed"],
+        "hold_second_first_response_s": second["first_s"],
+        "hold_rss_per_open_rollout_bytes": (first["open"] - first["base"]) / n,
+        "hold_rss_per_registered_rollout_bytes": (first["registered"] - first["base"]) / n,
+        "hold_intercepts_after_close_count": first["intercepts_after"] + second["intercepts_after"],
+        "hold_calls_in_flight_after_close_count": first["in_flight_after"] + second["in_flight_after"],
+        "rss_baseline_mb": first["base"] / MIB,
+        "rss_peak_mb": max(first["peak"], second["peak"]) / MIB,
+        "rss_resting_mb": first["resting"] / MIB,
+        "rss_resting_after_second_burst_mb": second["resting"] / MIB,
+        "hold_rss_resting_minus_baseline_bytes": first["resting"] - first["base"],
+        "hold_second_burst_added_bytes": second["resting"] - first["resting"],
+    }
+    return {prefix + key: value for key, value in figures.items()}
 
 
 async def plane_burst(plane: PlaneChild, gate: Conn, n: int, trim: bool) -> dict:
@@ -690,11 +728,19 @@ def start(argv: list[str], *, url_on: str, env: dict | None = None) -> tuple[sub
 
 
 def start_proxy(
-    upstream: str, out_dir: str, pythonmalloc: str | None = None, main: str = PROXY_MAIN
+    upstream: str,
+    out_dir: str,
+    pythonmalloc: str | None = None,
+    main: str = PROXY_MAIN,
+    previous: str | None = None,
 ) -> tuple[subprocess.Popen, str]:
+    """``lowwater proxy`` in front of ``upstream``; ``previous``: the
+    checkout whose ``python/`` is imported instead of this one's."""
     env = {**os.environ, "LOWWATER_ADMIN_KEY": ADMIN_KEY}
     if pythonmalloc:
         env["PYTHONMALLOC"] = pythonmalloc
+    if previous:
+        env["PYTHONPATH"] = str(Path(previous) / "python")
     return start(
         [
             sys.executable,
@@ -758,6 +804,13 @@ def main() -> None:
         action="store_true",
         help="the plane's trim_when_idle off (glibc keeps the pages a burst freed)",
     )
+    p.add_argument(
+        "--previous",
+        default=None,
+        metavar="CHECKOUT",
+        help="a checkout of a commit before the data plane (e.g. bfe7b28, the Python server on the call path) "
+        "with its extension built into CHECKOUT/python/lowwater/: adds its proxy as the `previous` series",
+    )
     p.add_argument("--_gate-child", dest="gate_child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     phases = set(a.phases.split(","))
@@ -774,6 +827,9 @@ def main() -> None:
     use_proxy = "proxy" in servers or "interceptor" in phases
     model, model_url = start([sys.executable, "-m", "lowwater", "serve-model", "--scripted"], url_on="stdout")
     proxy, proxy_url = start_proxy(model_url + "/v1", out_dir, a.pythonmalloc) if use_proxy else (None, "")
+    previous, previous_url = (
+        start_proxy(model_url + "/v1", out_dir, a.pythonmalloc, previous=a.previous) if a.previous else (None, "")
+    )
     plane = PlaneChild(model_url + "/v1", plane_env, not a.plane_no_trim) if "plane" in servers else None
     gate, gate_url = (
         start([sys.executable, __file__, "--_gate-child"], url_on="stdout") if "hold" in phases else (None, "")
@@ -787,6 +843,11 @@ def main() -> None:
         PlaneChild(gate_url + "/v1", plane_env, not a.plane_no_trim)
         if "hold" in phases and "plane" in servers
         else None
+    )
+    gated_previous, gated_previous_url = (
+        start_proxy(gate_url + "/v1", out_dir, a.pythonmalloc, previous=a.previous)
+        if "hold" in phases and a.previous
+        else (None, "")
     )
     hooked, hooked_url = (
         start_proxy(model_url + "/v1", out_dir, a.pythonmalloc, HOOKED_PROXY_MAIN)
@@ -807,6 +868,11 @@ def main() -> None:
             if "hold" in phases and gated_plane is not None:
                 progress(f"hold-open, plane: 2 bursts of {a.rollouts} rollouts, one call each, held at the gate")
                 results.update(await hold_plane(gated_plane, gate_url, a.rollouts, not a.plane_no_trim))
+            if "hold" in phases and gated_previous is not None:
+                progress(f"hold-open, previous: 2 bursts of {a.rollouts} rollouts, one call each, held at the gate")
+                results.update(
+                    await hold_open(gated_previous_url, gate_url, gated_previous.pid, a.rollouts, "previous_")
+                )
             if "interceptor" in phases:
                 await interceptor_phase()
 
@@ -834,6 +900,8 @@ def main() -> None:
                 sides["proxy"] = (proxy_url, ProxyRollouts(proxy_url))
             if plane is not None:
                 sides["plane"] = (plane.url, plane)
+            if previous is not None:
+                sides["previous"] = (previous_url, ProxyRollouts(previous_url))
             q = await latency_percentiles(sides, a.rounds, a.latency_calls)
             results.update({"direct_p50_ms": q["direct"][49], "direct_p99_ms": q["direct"][98]})
             if "proxy" in q:
@@ -845,15 +913,16 @@ def main() -> None:
                         "added_p99_ms": q["proxy"][98] - q["direct"][98],
                     }
                 )
-            if "plane" in q:
-                results.update(
-                    {
-                        "plane_p50_ms": q["plane"][49],
-                        "plane_p99_ms": q["plane"][98],
-                        "plane_added_latency_p50_ms": q["plane"][49] - q["direct"][49],
-                        "plane_added_latency_p99_ms": q["plane"][98] - q["direct"][98],
-                    }
-                )
+            for side in ("plane", "previous"):
+                if side in q:
+                    results.update(
+                        {
+                            f"{side}_p50_ms": q[side][49],
+                            f"{side}_p99_ms": q[side][98],
+                            f"{side}_added_latency_p50_ms": q[side][49] - q["direct"][49],
+                            f"{side}_added_latency_p99_ms": q[side][98] - q["direct"][98],
+                        }
+                    )
 
         async def throughput_phase() -> None:
             progress(
@@ -867,6 +936,8 @@ def main() -> None:
                 sides["proxy"] = (Target(proxy_url, "/v1/chat/completions"), ProxyRollouts(proxy_url))
             if plane is not None:
                 sides["plane"] = (Target(plane.url, "/v1/chat/completions"), plane)
+            if previous is not None:
+                sides["previous"] = (Target(previous_url, "/v1/chat/completions"), ProxyRollouts(previous_url))
             rollouts = {
                 side: await ctl.open(a.concurrency) if ctl else [None] * a.concurrency
                 for side, (_, ctl) in sides.items()
@@ -887,18 +958,19 @@ def main() -> None:
             if "proxy" in rates:
                 results["proxy_turns_per_s"] = statistics.median(rates["proxy"])
                 results["throughput_ratio"] = results["proxy_turns_per_s"] / results["direct_turns_per_s"]
-            if "plane" in rates:
-                results["plane_turns_per_s"] = statistics.median(rates["plane"])
-                results["plane_vs_direct_throughput_ratio"] = (
-                    results["plane_turns_per_s"] / results["direct_turns_per_s"]
-                )
+            for side in ("plane", "previous"):
+                if side in rates:
+                    results[f"{side}_turns_per_s"] = statistics.median(rates[side])
+                    results[f"{side}_vs_direct_throughput_ratio"] = (
+                        results[f"{side}_turns_per_s"] / results["direct_turns_per_s"]
+                    )
 
         trio.run(run)
     finally:
         for child in (gated_plane, plane):
             if child is not None:
                 child.stop()
-        for proc in (hooked, gated, gate, proxy, model):
+        for proc in (hooked, gated_previous, gated, gate, previous, proxy, model):
             if proc is not None:
                 stop(proc)
     params = params_of(
@@ -909,6 +981,13 @@ def main() -> None:
         cores=os.cpu_count(),
         pythonmalloc=a.pythonmalloc or "default (pymalloc)",
         servers=sorted(servers),
+        previous_commit=(
+            subprocess.run(
+                ["git", "-C", a.previous, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ).stdout.strip()
+            if a.previous
+            else None
+        ),
     )
     limits = {
         "added_p50_ms": {"max": 3.0},
@@ -916,6 +995,9 @@ def main() -> None:
         "hold_first_response_s": {"max": 5.0},
         "hold_failed_count": {"max": 0},
         "hold_rss_per_open_rollout_bytes": {"max": 32 * 1024},
+        # The long-lived proxy returns to its low-water mark (the plane's resting targets).
+        "hold_rss_resting_minus_baseline_bytes": {"max": 16 * MIB},
+        "hold_second_burst_added_bytes": {"max": 1 * MIB},
         # The data plane's targets (docs/dataplane.md#measured).
         "plane_added_latency_p50_ms": {"max": 0.25},
         "plane_added_latency_p99_ms": {"max": 1.0},
