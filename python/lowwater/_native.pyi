@@ -403,7 +403,7 @@ class DataPlane:
             arrive (seconds, > 0); past it a 408 (``connection: close``), not recorded.
         upstream_timeout_s: connect timeout and the longest wait for any part
             of the upstream's answer (seconds); past it a 504.
-        retries: retries of a connect error, 429 or 5xx.
+        retries: retries of an error before the answer's head (connect, reset, closed), a 429 or a 5xx.
         backoff_s: first backoff step (seconds; full jitter, doubling).
         max_backoff_s: longest backoff and cap on a ``Retry-After`` (seconds).
         max_concurrency: upstream calls at once; more wait for a slot.

@@ -147,13 +147,21 @@ def test_sampling_flags_are_recorded_in_the_header(tmp_path):
 def test_a_model_server_dying_mid_run_ends_the_run_at_once(tmp_path):
     import psutil
 
+    def cmdline_of(p: psutil.Process) -> list[str]:
+        # A short-lived child (a worker that already exited, not yet reaped)
+        # has no command line: not the model server.
+        try:
+            return p.cmdline()
+        except (psutil.ZombieProcess, psutil.NoSuchProcess, psutil.AccessDenied):
+            return []
+
     out = tmp_path / "r.jsonl"
     proc = start_eval(
         "-n", "400", "-c", "2", out=out, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         wait_for_lines(out, 3)
-        (child,) = [c for c in psutil.Process(proc.pid).children() if "serve-model" in c.cmdline()]
+        (child,) = [c for c in psutil.Process(proc.pid).children() if "serve-model" in cmdline_of(c)]
         child.kill()
         _, err = proc.communicate(timeout=120)
     finally:

@@ -42,7 +42,8 @@ pub struct Config {
     /// Connect timeout, and the longest wait for the upstream's head or for
     /// any chunk of its body (600 s); past it the call is a 504 (or a cut stream).
     pub upstream_timeout: Duration,
-    /// Retries of a connect error, 429 or 5xx before the answer reaches the agent (3).
+    /// Retries of an error before the answer's head (connect, reset, closed), a 429 or
+    /// a 5xx, before the answer reaches the agent (3).
     pub retries: u32,
     /// First backoff step (0.5 s); full jitter, doubling per attempt.
     pub backoff: Duration,

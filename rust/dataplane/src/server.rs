@@ -553,6 +553,10 @@ impl Call {
             let frame = tokio::select! {
                 biased;
                 _ = &mut cancel => return self.stream_closed(&tx).await,
+                // The client left while the upstream is quiet: without this
+                // the relay (and the upstream call) lived on until the
+                // upstream's next event or its timeout, up to 600 s.
+                _ = tx.closed() => return, // dropping `self` records it
                 f = tokio::time::timeout(timeout, body.frame()) => f,
             };
             let data = match frame {

@@ -219,7 +219,7 @@ impl Upstream {
     }
 
     /// POST `body` to `path` of `target` (`None`: the plane's upstream) with
-    /// `extra` headers; connect errors, 429 and 5xx are retried up to
+    /// `extra` headers; errors before the answer's head, 429 and 5xx are retried up to
     /// `retries` times; the last attempt's answer is returned whatever its
     /// status.  Dropping the future aborts the call.
     pub(crate) async fn post(
@@ -248,7 +248,7 @@ impl Upstream {
             headers.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
             let delay = match tokio::time::timeout(self.timeout, self.client.request(req)).await {
                 Err(_) => return Err(UpstreamError::Timeout),
-                Ok(Err(e)) if e.is_connect() && attempt < self.retries => self.backoff_delay(attempt),
+                Ok(Err(e)) if retriable(&e) && attempt < self.retries => self.backoff_delay(attempt),
                 Ok(Err(e)) => return Err(UpstreamError::Failed(format!("upstream unreachable: {}", error_chain(&e)))),
                 Ok(Ok(resp)) if RETRY_STATUSES.contains(&resp.status().as_u16()) && attempt < self.retries => {
                     retry_after(resp.status(), resp.headers(), self.max_backoff)
@@ -280,6 +280,27 @@ fn retry_after(status: StatusCode, headers: &HeaderMap, cap: Duration) -> Option
     }
     let secs: f64 = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?.trim().parse().ok()?;
     (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs).min(cap))
+}
+
+/// Whether a failed request may be sent again: every error before the
+/// answer's head (connect, reset, closed or malformed before a response
+/// existed), as the Python client retried `ConnectError`, `ReadError`,
+/// `WriteError` and `RemoteProtocolError`: the agent has seen nothing, so a
+/// retry cannot duplicate output.  Not a request hyper refused to send (a
+/// user error: the same request would be refused again).  A timeout never
+/// reaches here (retrying it would multiply the wait on a stuck upstream).
+fn retriable(e: &hyper_util::client::legacy::Error) -> bool {
+    if e.is_connect() {
+        return true;
+    }
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        if let Some(h) = s.downcast_ref::<hyper::Error>() {
+            return !h.is_user();
+        }
+        src = s.source();
+    }
+    true
 }
 
 /// An error and its sources, one line (hyper's top-level message alone is

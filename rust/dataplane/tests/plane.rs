@@ -35,6 +35,9 @@ const UPSTREAM_KEY: &str = "upstream-key";
 
 // --- the test's upstream ------------------------------------------------------
 
+/// Hanging upstream streams the plane has let go of (the process's count).
+static HUNG_STREAMS_DROPPED: AtomicU64 = AtomicU64::new(0);
+
 /// A body fed from a channel (the upstream's SSE streams).
 struct ChanBody(mpsc::Receiver<Bytes>);
 
@@ -55,7 +58,9 @@ fn full(status: u16, ct: &'static str, body: impl Into<Bytes>) -> Response<UpBod
     r
 }
 
-fn sse(events: Vec<&'static str>, then_hang: bool) -> Response<UpBody> {
+/// `count_drop`: count the plane letting go of the hanging stream in
+/// `HUNG_STREAMS_DROPPED` (one test's model only, as tests run in parallel).
+fn sse(events: Vec<&'static str>, then_hang: bool, count_drop: bool) -> Response<UpBody> {
     let (tx, rx) = mpsc::channel(16);
     tokio::spawn(async move {
         for e in events {
@@ -65,6 +70,9 @@ fn sse(events: Vec<&'static str>, then_hang: bool) -> Response<UpBody> {
         }
         if then_hang {
             tx.closed().await; // hold the stream open until the plane drops it
+            if count_drop {
+                HUNG_STREAMS_DROPPED.fetch_add(1, Ordering::Relaxed);
+            }
         }
     });
     let mut r = Response::new(UpBody::Right(ChanBody(rx)));
@@ -73,7 +81,7 @@ fn sse(events: Vec<&'static str>, then_hang: bool) -> Response<UpBody> {
 }
 
 /// Behaviour by the request's `model`: `echo`, `stream`, `hang`,
-/// `stream-hang`, `fail` (500), `jitter` (echo after a short varying delay).
+/// `stream-hang`, `stream-quiet` (as `stream-hang`, counted), `fail` (500), `jitter` (echo after a short varying delay).
 async fn upstream_answer(req: Request<Incoming>, n: Arc<AtomicU64>) -> Response<UpBody> {
     let auth = req.headers().get("authorization").and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
     let path = req.uri().path().to_string();
@@ -84,8 +92,9 @@ async fn upstream_answer(req: Request<Incoming>, n: Arc<AtomicU64>) -> Response<
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
     let model = v["model"].as_str().unwrap_or("").to_string();
     match model.as_str() {
-        "stream" => sse(vec!["data: {\"i\":1}\n\n", "data: {\"i\":2}\n\n", "data: [DONE]\n\n"], false),
-        "stream-hang" => sse(vec!["data: {\"i\":1}\n\n"], true),
+        "stream" => sse(vec!["data: {\"i\":1}\n\n", "data: {\"i\":2}\n\n", "data: [DONE]\n\n"], false, false),
+        "stream-hang" => sse(vec!["data: {\"i\":1}\n\n"], true, false),
+        "stream-quiet" => sse(vec!["data: {\"i\":1}\n\n"], true, true),
         "hang" => std::future::pending().await,
         "fail" => full(500, "application/json", "{\"error\":\"boom\"}"),
         _ => {
@@ -393,6 +402,78 @@ fn upstream_failures_are_502_and_504_and_recorded() {
     assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
 }
 
+/// An upstream that resets its first `resets` connections once it has the
+/// request's head (SO_LINGER 0: an RST, as a crashed or overloaded server
+/// gives), then answers 200 on the next; its URL.
+fn resetting_upstream(resets: usize) -> String {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for (i, conn) in listener.incoming().enumerate() {
+            let Ok(mut conn) = conn else { return };
+            let mut buf = [0u8; 4096];
+            let _ = conn.read(&mut buf);
+            if i < resets {
+                socket_linger_zero(&conn);
+                drop(conn);
+                continue;
+            }
+            let body = r#"{"choices":[{"message":{"role":"assistant","content":"4"}}]}"#;
+            let answer = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = conn.write_all(answer.as_bytes());
+        }
+    });
+    url
+}
+
+/// SO_LINGER with a zero timeout on `conn`, so closing it sends an RST.
+fn socket_linger_zero(conn: &std::net::TcpStream) {
+    use std::os::fd::AsRawFd;
+    let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+    // SAFETY: a valid socket fd and a correctly sized option value.
+    unsafe {
+        libc::setsockopt(
+            conn.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            std::ptr::addr_of!(linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        );
+    }
+}
+
+#[test]
+fn a_reset_before_the_answer_is_retried_and_the_last_one_is_502() {
+    // Retried: the agent saw nothing yet (the Python client retried a
+    // ReadError too); a load spike's resets must not fail the rollout.
+    let h = harness(|c| {
+        c.upstream = resetting_upstream(1);
+        c.retries = 1;
+        c.backoff = Duration::ZERO;
+    });
+    let _acker = Acker::start(&h.plane);
+    h.plane.register("r", "s").unwrap();
+    let (status, body) = h.chat("s", "echo", &["x"]);
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!((h.plane.stats().upstream_requests, h.plane.stats().upstream_retried), (2, 1));
+
+    // Out of retries: the reset is a 502 naming it.
+    let h = harness(|c| {
+        c.upstream = resetting_upstream(2);
+        c.retries = 1;
+        c.backoff = Duration::ZERO;
+    });
+    let _acker = Acker::start(&h.plane);
+    h.plane.register("r", "s").unwrap();
+    let (status, body) = h.chat("s", "echo", &["x"]);
+    assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
+    assert!(json(&body)["error"]["message"].as_str().unwrap().contains("upstream unreachable"));
+}
+
 /// Read a streamed answer's frames on `rt` into a channel, so the test can
 /// check what has arrived so far.
 fn stream_frames(h: &Harness, req: Request<Full<Bytes>>) -> (u16, mpsc::UnboundedReceiver<Bytes>) {
@@ -424,6 +505,47 @@ fn read_until(h: &Harness, rx: &mut mpsc::UnboundedReceiver<Bytes>, seen: &mut V
             }
         }
     });
+}
+
+#[test]
+fn a_client_leaving_a_quiet_stream_ends_the_upstream_call_and_is_recorded() {
+    use std::io::{Read, Write};
+    let h = harness(|_| {});
+    let acker = Acker::start(&h.plane);
+    h.plane.register("r", "s").unwrap();
+    let dropped = HUNG_STREAMS_DROPPED.load(Ordering::Relaxed);
+    let body = chat_body("stream-quiet", true, &["hi"]);
+    let mut agent = std::net::TcpStream::connect(h.addr()).unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: plane\r\ncontent-type: application/json\r\n\
+         authorization: Bearer s\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    agent.write_all(head.as_bytes()).unwrap();
+    agent.write_all(body.as_bytes()).unwrap();
+    agent.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut seen = Vec::new();
+    while !String::from_utf8_lossy(&seen).contains("{\"i\":1}") {
+        let mut buf = [0u8; 1024];
+        let n = agent.read(&mut buf).expect("the first event within 10 s");
+        assert!(n > 0, "the plane closed: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    // The upstream is now quiet (it sent its one event and hangs): the agent
+    // leaves, and nothing more will be sent that could notice it.
+    drop(agent);
+    h.wait_stats("the call recorded as disconnected", |s| s.disconnected == 1 && s.in_flight == 0);
+    for _ in 0..2000 {
+        if HUNG_STREAMS_DROPPED.load(Ordering::Relaxed) > dropped {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(HUNG_STREAMS_DROPPED.load(Ordering::Relaxed) > dropped, "the upstream call still open");
+    h.wait_stats("the record drained", |s| s.queued == 0 && s.awaiting_ack == 0);
+    let recs = acker.take();
+    assert_eq!(recs.len(), 1);
+    assert_eq!(recs[0].error.as_deref(), Some("the client disconnected before the answer was complete"));
 }
 
 #[test]
