@@ -68,8 +68,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import MIB, emit, params_of, progress, rss_bytes, target
 
 ADMIN_KEY = "bench-admin"
-# The proxy's entry point (a variable so a diagnostic driver can wrap it).
-PROXY_MAIN = "import sys; from lowwater import cli; sys.exit(cli.main(sys.argv[1:]))"
+# The proxy's entry point (a variable so a diagnostic driver can wrap it):
+# main() with no argv, as the `lowwater` script calls it, so the proxy
+# re-executes itself on glibc's allocator as it does for users
+# (lowwater.commands.allocator; the -c code runs again in the new image).
+PROXY_MAIN = "import sys; from lowwater import cli; sys.exit(cli.main())"
 # The proxy with a trivial interceptor on each hook (lowwater proxy loads no
 # plugins, so the child installs them on every server it builds).
 HOOKED_PROXY_MAIN = """
@@ -91,7 +94,7 @@ def _hooked(self, *args, **kwargs):
     self.interceptors = Interceptors([("bench", on_request, ("call",))], [("bench", on_response, ("call", "response"))])
 
 s.InterceptionServer.__init__ = _hooked
-sys.exit(cli.main(sys.argv[1:]))
+sys.exit(cli.main())
 """
 REQUEST = orjson.dumps(
     {
@@ -780,7 +783,8 @@ def main() -> None:
     p.add_argument(
         "--pythonmalloc",
         default=None,
-        help="PYTHONMALLOC for the proxies (e.g. 'malloc': glibc instead of pymalloc's 1 MiB arenas)",
+        help="PYTHONMALLOC for the proxies (default: unset, so lowwater proxy picks glibc's 'malloc' itself; "
+        "'pymalloc' measures pymalloc's 1 MiB arenas)",
     )
     p.add_argument(
         "--phases",
@@ -979,7 +983,7 @@ def main() -> None:
         phases=sorted(phases),
         request_bytes=len(REQUEST),
         cores=os.cpu_count(),
-        pythonmalloc=a.pythonmalloc or "default (pymalloc)",
+        pythonmalloc=a.pythonmalloc or "default (lowwater proxy: malloc; --previous: pymalloc)",
         servers=sorted(servers),
         previous_commit=(
             subprocess.run(

@@ -51,7 +51,7 @@ class RolloutClosed(LowwaterError):
 
 class DataPlaneConfigError(LowwaterError):
     """:class:`DataPlane` cannot start with this configuration: a bad upstream
-    URL, an ``https://`` upstream (the extension is built without TLS), a
+    URL, an ``SSL_CERT_FILE`` that cannot be read or holds no certificate, a
     limit or count that must be positive given as 0, or a request rewrite
     that is not JSON, of an unknown kind or for an unknown protocol.  Also
     :meth:`DataPlane.register` with a rollout upstream or key the plane could
@@ -395,6 +395,9 @@ class DataPlane:
     Args:
         upstream: the upstream's base URL (``http://host:port/v1``); a call to
             ``/v1/chat/completions`` goes to ``{upstream}/chat/completions``.
+            ``https://`` verifies the upstream against the Mozilla roots and
+            the PEM file ``SSL_CERT_FILE`` names, if set (read at start); a
+            certificate that does not verify fails the call with a 502.
         api_key: sent upstream in place of the rollout's secret (``None``: none sent).
         host: address to bind (``"127.0.0.1"``); ``port``: 0 for any free port.
         max_body_bytes: largest request body accepted (bytes); larger is a 413.
@@ -529,7 +532,7 @@ class DataPlane:
                 forwarded, and ``lowwater-upstream`` is listed).
 
         Raises:
-            DataPlaneConfigError: a bad or ``https://`` ``upstream``, or an
+            DataPlaneConfigError: a bad ``upstream`` (not http or https), or an
                 ``api_key`` that is not visible ASCII.
             DuplicateRollout: ``rollout_id`` is open already.
             DuplicateSecret: another open rollout has ``secret``.

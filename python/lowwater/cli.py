@@ -91,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if argv is None and getattr(args, "glibc_malloc", False):
+        # Only this process's own command line (argv None): a caller that
+        # runs main() inside its own program keeps its process.
+        from lowwater.commands.allocator import reexec_on_glibc_malloc
+
+        reexec_on_glibc_malloc()
     try:
         return int(args.func(args) or 0)
     except UsageError as exc:

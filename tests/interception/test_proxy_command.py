@@ -206,3 +206,36 @@ def test_proxy_process_serves_and_writes_open_rollouts_on_interrupt(tmp_path, si
         assert line["rollout_id"] == opened["rollout_id"] and len(line["turns"]) == 1
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("given", [None, "pymalloc"])
+def test_the_proxy_process_runs_on_glibc_malloc_unless_told_otherwise(tmp_path, given):
+    """``lowwater proxy`` re-executes itself (same pid) under
+    ``PYTHONMALLOC=malloc`` (pymalloc's arenas kept a burst's memory:
+    lowwater.commands.allocator); a ``PYTHONMALLOC`` the user set is kept."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONMALLOC"}
+    if given:
+        env["PYTHONMALLOC"] = given
+    argv = ["proxy", "--upstream", "http://127.0.0.1:1/v1", "--listen", "127.0.0.1:0", "--out", str(tmp_path)]
+    proc = subprocess.Popen([sys.executable, "-m", "lowwater", *argv], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        banner = proc.stderr.readline()  # printed once, by the re-executed process
+        assert "listening on http://127.0.0.1:" in banner, banner
+        proc_dir = Path(f"/proc/{proc.pid}")  # the Popen's pid: exec keeps it
+        environ = proc_dir.joinpath("environ").read_bytes().decode().split("\0")
+        assert dict(item.split("=", 1) for item in environ if "=" in item).get("PYTHONMALLOC") == (given or "malloc")
+        assert proc_dir.joinpath("cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", b"lowwater"]
+        second = proc.stderr.readline()
+        assert "protocols" in second and "listening" not in second  # no second start
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=GUARD_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()

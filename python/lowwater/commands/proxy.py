@@ -107,7 +107,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--dump-dir", metavar="DIR", help="write stale sessions here before freeing them (default: not written)"
     )
-    p.set_defaults(func=run)
+    # A long-lived process: on glibc's allocator (lowwater.commands.allocator).
+    p.set_defaults(func=run, glibc_malloc=True)
     return p
 
 

@@ -53,8 +53,9 @@
 //!
 //! * `mimalloc` (default): mimalloc as [`Allocator`], for an artifact's
 //!   `#[global_allocator]` (the crate's tests set it).
-//! * `tls` (off by default): rustls (ring, webpki roots) for `https://`
-//!   upstreams.  Off, an https upstream is refused at start
+//! * `tls` (off by default; the wheel turns it on): rustls (ring) for
+//!   `https://` upstreams, trusting the Mozilla roots and the PEM file
+//!   `SSL_CERT_FILE` names.  Off, an https upstream is refused at start
 //!   ([`ConfigError::HttpsNeedsTls`]); loopback upstreams need none.
 //!
 //! Under `--cfg loom` only [`lifecycle`] is compiled (tests/loom.rs models

@@ -176,7 +176,7 @@ impl Upstream {
         let http = {
             http.enforce_http(false);
             hyper_rustls::HttpsConnectorBuilder::new()
-                .with_webpki_roots()
+                .with_tls_config(tls_config()?)
                 .https_or_http()
                 .enable_http1()
                 .wrap_connector(http)
@@ -280,6 +280,38 @@ fn retry_after(status: StatusCode, headers: &HeaderMap, cap: Duration) -> Option
     }
     let secs: f64 = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?.trim().parse().ok()?;
     (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs).min(cap))
+}
+
+/// The TLS client of `https://` upstreams: the Mozilla roots (webpki-roots),
+/// and the certificates of the PEM file `SSL_CERT_FILE` names, if set (as
+/// OpenSSL, httpx and the `openai` SDK honour it: a private CA, or a test's
+/// own).  A file that cannot be read or holds no certificate is a
+/// `ConfigError::Upstream` at start, not a later handshake failure.
+#[cfg(feature = "tls")]
+fn tls_config() -> Result<rustls::ClientConfig, ConfigError> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::CertificateDer;
+    let mut roots = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() };
+    if let Some(path) = std::env::var_os("SSL_CERT_FILE").filter(|p| !p.is_empty()) {
+        let shown = std::path::Path::new(&path).display().to_string();
+        let bad = |why: String| ConfigError::Upstream(format!("SSL_CERT_FILE {shown}: {why}"));
+        let certs = CertificateDer::pem_file_iter(&path)
+            .map_err(|e| bad(e.to_string()))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| bad(e.to_string()))?;
+        if certs.is_empty() {
+            return Err(bad("no certificate in it".into()));
+        }
+        for cert in certs {
+            roots.add(cert).map_err(|e| bad(e.to_string()))?;
+        }
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    Ok(rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| ConfigError::Upstream(format!("TLS: {e}")))?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
 }
 
 /// Whether a failed request may be sent again: every error before the
