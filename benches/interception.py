@@ -702,7 +702,12 @@ def gate_child() -> None:
             # Keep-alive past its clients' idle prune (5 s): a connection the
             # gate closed just as a client reused it failed the call (502 from
             # the plane, which the bench runs with retries=0).
-            address = await nursery.start(functools.partial(serve, app, keep_alive_s=60.0))
+            # A backlog for the flood: a server in front opens up to 1,024
+            # upstream connections at once, and past a backlog of 100 the
+            # kernel completed handshakes (syncookies) the gate never
+            # accepted, then reset them once the request came (a 502 each,
+            # tens per burst in CI).  4096 is the kernel's default somaxconn.
+            address = await nursery.start(functools.partial(serve, app, keep_alive_s=60.0, backlog=4096))
             print(f"http://{address}", flush=True)
 
     trio.run(main)
