@@ -1007,7 +1007,7 @@ def main() -> None:
         # The long-lived proxy returns to its low-water mark (the plane's resting targets).
         "hold_rss_resting_minus_baseline_bytes": {"max": 16 * MIB},
         "hold_second_burst_added_bytes": {"max": 1 * MIB},
-        # The data plane's targets (docs/dataplane.md#measured).
+        # The data plane's targets (docs/dataplane.md, What remains; benches/README.md).
         "plane_added_latency_p50_ms": {"max": 0.25},
         "plane_added_latency_p99_ms": {"max": 1.0},
         "plane_vs_direct_throughput_ratio": {"min": 0.85},

@@ -49,6 +49,20 @@ def wait_until(check: Callable[[], Any], what: str, timeout_s: float = WAIT_S, p
         time.sleep(poll_s)
 
 
+def end_input_and_wait(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Stop a child driven over its stdin: close the stdin (its end of
+    input: the child cleans up and exits), wait, kill it past ``timeout_s``;
+    then close its stdout pipe."""
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.close()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout_s)
+    proc.stdout.close()
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """The test's environment for a child, without allocator overrides that would change what is measured."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONMALLOC", "LD_PRELOAD", "MALLOC_ARENA_MAX")}

@@ -36,7 +36,7 @@ from lowwater.http import serve
 from lowwater.trainer.drain import clear_batch
 from lowwater.trainer.shards import ShardStore
 
-from ._proc import HERE, MIB, WAIT_S, child_env
+from ._proc import HERE, MIB, WAIT_S, child_env, end_input_and_wait
 
 pytestmark = pytest.mark.memory
 
@@ -68,13 +68,7 @@ class Consumer:
         return orjson.loads(line)
 
     def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        self.proc.stdout.close()
+        end_input_and_wait(self.proc)
 
 
 async def run_gate(argv: list[str]) -> dict[str, list[int]]:

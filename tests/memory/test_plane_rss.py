@@ -35,7 +35,7 @@ import trio
 
 from lowwater.interception.proxy import raise_open_file_limit
 
-from ._proc import MIB, Child, child_env, rss_of, wait_until
+from ._proc import MIB, Child, child_env, end_input_and_wait, rss_of, wait_until
 
 pytestmark = [pytest.mark.memory, pytest.mark.timeout(1200)]
 
@@ -87,13 +87,7 @@ class Plane:
         return n
 
     def stop(self) -> None:
-        self.proc.stdin.close()  # end of input: the child closes the plane and exits
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        self.proc.stdout.close()
+        end_input_and_wait(self.proc)  # the child closes the plane and exits
         self.log.close()
 
 

@@ -446,30 +446,30 @@ fn socket_linger_zero(conn: &std::net::TcpStream) {
     }
 }
 
+/// One chat call through a plane with one retry in front of
+/// [`resetting_upstream`]`(resets)`: its status, body and the plane's stats.
+fn call_with_one_retry(resets: usize) -> (u16, Bytes, Stats) {
+    let h = harness(|c| {
+        c.upstream = resetting_upstream(resets);
+        c.retries = 1;
+        c.backoff = Duration::ZERO;
+    });
+    let _acker = Acker::start(&h.plane);
+    h.plane.register("r", "s").unwrap();
+    let (status, body) = h.chat("s", "echo", &["x"]);
+    (status, body, h.plane.stats())
+}
+
 #[test]
 fn a_reset_before_the_answer_is_retried_and_the_last_one_is_502() {
     // Retried: the agent saw nothing yet (the Python client retried a
     // ReadError too); a load spike's resets must not fail the rollout.
-    let h = harness(|c| {
-        c.upstream = resetting_upstream(1);
-        c.retries = 1;
-        c.backoff = Duration::ZERO;
-    });
-    let _acker = Acker::start(&h.plane);
-    h.plane.register("r", "s").unwrap();
-    let (status, body) = h.chat("s", "echo", &["x"]);
+    let (status, body, stats) = call_with_one_retry(1);
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
-    assert_eq!((h.plane.stats().upstream_requests, h.plane.stats().upstream_retried), (2, 1));
+    assert_eq!((stats.upstream_requests, stats.upstream_retried), (2, 1));
 
     // Out of retries: the reset is a 502 naming it.
-    let h = harness(|c| {
-        c.upstream = resetting_upstream(2);
-        c.retries = 1;
-        c.backoff = Duration::ZERO;
-    });
-    let _acker = Acker::start(&h.plane);
-    h.plane.register("r", "s").unwrap();
-    let (status, body) = h.chat("s", "echo", &["x"]);
+    let (status, body, _) = call_with_one_retry(2);
     assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
     assert!(json(&body)["error"]["message"].as_str().unwrap().contains("upstream unreachable"));
 }
