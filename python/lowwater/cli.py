@@ -105,6 +105,28 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"lowwater {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        # The data plane refusing its configuration (an SSL_CERT_FILE that
+        # cannot be read, a bad upstream) is the user's setting, not a bug:
+        # one line, not the traceback of the nurseries it surfaced through.
+        config_error = _data_plane_config_error(exc)
+        if config_error is None:
+            raise
+        print(f"lowwater {args.command}: error: {config_error}", file=sys.stderr)
+        return 2
+
+
+def _data_plane_config_error(exc: BaseException) -> BaseException | None:
+    """The ``DataPlaneConfigError`` that ``exc`` is or holds (in Trio's
+    exception groups), if any."""
+    from lowwater._native import DataPlaneConfigError
+
+    if isinstance(exc, DataPlaneConfigError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        group = exc.subgroup(DataPlaneConfigError)
+        return None if group is None else _data_plane_config_error(group.exceptions[0])
+    return None
 
 
 if __name__ == "__main__":  # pragma: no cover

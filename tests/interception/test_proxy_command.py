@@ -66,6 +66,16 @@ def test_cli_reports_usage_errors(tmp_path, monkeypatch, capsys):
     assert code == 2 and "refusing to listen on 10.0.0.1" in capsys.readouterr().err
 
 
+def test_a_data_plane_config_error_is_one_line(tmp_path, monkeypatch, capsys):
+    # Raised inside the proxy's nurseries; the user gets its message, not their traceback.
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "missing.pem"))
+    argv = ["proxy", "--upstream", "http://127.0.0.1:1/v1", "--listen", "127.0.0.1:0", "--out", str(tmp_path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lowwater proxy: error: TLS: SSL_CERT_FILE ") and "missing.pem" in err, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+
+
 async def _with_proxy(tmp_path, fn, admin_key: str | None = "adm"):
     upstream = Upstream()
     async with trio.open_nursery() as nursery:

@@ -19,6 +19,9 @@ pub enum ConfigError {
     Rewrite(String),
     /// An upcall option names no protocol, or a Python route prefix is not a path.
     Upcall(String),
+    /// The TLS client cannot be built: `SSL_CERT_FILE` cannot be read or
+    /// holds no certificate (the `tls` feature).
+    Tls(String),
 }
 
 impl fmt::Display for ConfigError {
@@ -32,6 +35,7 @@ impl fmt::Display for ConfigError {
             ConfigError::Limit(name) => write!(f, "{name} must be positive"),
             ConfigError::Rewrite(why) => write!(f, "bad request rewrite: {why}"),
             ConfigError::Upcall(why) => write!(f, "bad upcall option: {why}"),
+            ConfigError::Tls(why) => write!(f, "TLS: {why}"),
         }
     }
 }

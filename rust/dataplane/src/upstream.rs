@@ -286,7 +286,7 @@ fn retry_after(status: StatusCode, headers: &HeaderMap, cap: Duration) -> Option
 /// and the certificates of the PEM file `SSL_CERT_FILE` names, if set (as
 /// OpenSSL, httpx and the `openai` SDK honour it: a private CA, or a test's
 /// own).  A file that cannot be read or holds no certificate is a
-/// `ConfigError::Upstream` at start, not a later handshake failure.
+/// `ConfigError::Tls` at start, not a later handshake failure.
 #[cfg(feature = "tls")]
 fn tls_config() -> Result<rustls::ClientConfig, ConfigError> {
     use rustls::pki_types::pem::PemObject;
@@ -294,7 +294,7 @@ fn tls_config() -> Result<rustls::ClientConfig, ConfigError> {
     let mut roots = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() };
     if let Some(path) = std::env::var_os("SSL_CERT_FILE").filter(|p| !p.is_empty()) {
         let shown = std::path::Path::new(&path).display().to_string();
-        let bad = |why: String| ConfigError::Upstream(format!("SSL_CERT_FILE {shown}: {why}"));
+        let bad = |why: String| ConfigError::Tls(format!("SSL_CERT_FILE {shown}: {why}"));
         let certs = CertificateDer::pem_file_iter(&path)
             .map_err(|e| bad(e.to_string()))?
             .collect::<Result<Vec<_>, _>>()
@@ -309,7 +309,7 @@ fn tls_config() -> Result<rustls::ClientConfig, ConfigError> {
     let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
     Ok(rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
-        .map_err(|e| ConfigError::Upstream(format!("TLS: {e}")))?
+        .map_err(|e| ConfigError::Tls(e.to_string()))?
         .with_root_certificates(roots)
         .with_no_client_auth())
 }
