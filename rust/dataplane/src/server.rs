@@ -189,7 +189,10 @@ fn forwarded(headers: &HeaderMap) -> Result<HeaderMap, String> {
             if !v.as_bytes().is_ascii() {
                 return Err(format!("header {name} must be ASCII"));
             }
-            out.append(name, v.clone());
+            // A copy: a clone would share, and so pin, hyper's read buffer
+            // for the whole call.
+            let owned = HeaderValue::from_bytes(v.as_bytes()).map_err(|_| format!("header {name} is not valid"))?;
+            out.append(name, owned);
         }
     }
     Ok(out)
@@ -319,8 +322,12 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
             };
         }
     };
-    // From here the agent's bytes live once, in the table: the read buffer is
-    // dropped and the upstream request shares the table's copy.
+    // From here the agent's bytes live once, in the table: the upstream
+    // request shares the table's copy.  The buffer the body was read into is
+    // dropped here, not when the call ends: a shadowed binding lives to the
+    // end of the scope, and it kept every held call's body twice
+    // (tests/held_body.rs).
+    drop(body);
     let body = held.bytes();
     let delta = delta(&sh, &rollout, &body, &parsed);
     // After the delta: the turn shows the agent's messages, the upstream gets the rewrite.
