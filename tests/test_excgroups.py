@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import trio
 
-from lowwater.excgroups import sole_error
+from lowwater.excgroups import sole_error, unwrapped
 
 
 def _matched(error: BaseException, kind: type[BaseException]) -> BaseExceptionGroup:
@@ -35,3 +36,22 @@ def test_only_the_matched_part_counts():
         except* OSError as group:
             assert sole_error(group) is bind
     assert [type(e) for e in info.value.exceptions] == [KeyError]  # the rest propagates
+
+
+def test_unwrapped_leaves_cancelled_and_several_in_their_groups():
+    full = KeyError("full")
+    assert unwrapped(ExceptionGroup("a", [ExceptionGroup("b", [full])])) is full
+    assert unwrapped(ExceptionGroup("a", [KeyError(), ValueError()])) is None
+
+    async def cancelled_group() -> BaseExceptionGroup[BaseException]:
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            try:
+                async with trio.open_nursery():
+                    await trio.sleep(1)
+            except BaseExceptionGroup as group:
+                return group
+        raise AssertionError("the nursery raised no group")
+
+    group = trio.run(cancelled_group)
+    assert isinstance(sole_error(group), trio.Cancelled) and unwrapped(group) is None

@@ -36,3 +36,31 @@ def sole_error(group: BaseExceptionGroup[E]) -> E | None:
             return only
         members = only.exceptions
     return None
+
+
+def unwrapped(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The one exception ``group`` holds (:func:`sole_error`), to re-raise
+    bare; ``None`` when it holds several, or when the one is
+    :class:`trio.Cancelled`, which must reach the cancel scope that owns it
+    as Trio left it.
+
+    For code that documents the errors it raises and runs a nursery inside
+    (an async context manager's body, a public method).  Raise the error
+    after the ``except`` block, not in it: raised inside, it would take the
+    group as its ``__context__``::
+
+        try:
+            async with trio.open_nursery() as nursery:
+                ...
+        except BaseExceptionGroup as group:
+            error = unwrapped(group)
+            if error is None:
+                raise
+        else:
+            return
+        raise error
+    """
+    import trio  # lazy: this module is imported by commands that never start Trio
+
+    error = sole_error(group)
+    return None if isinstance(error, trio.Cancelled) else error

@@ -135,3 +135,30 @@ def test_a_worker_due_to_retire_waits_until_its_step_is_cleared():
 def test_a_backend_other_than_local_needs_workers():
     with pytest.raises(ValueError, match="backend 'ray' runs env workers"):
         TrainerConfig(backend="ray")
+
+
+def test_errors_reach_the_trainer_as_themselves(monkeypatch):
+    """Neither the trainer's own exception nor one ``next_batch`` documents
+    comes out wrapped in the nurseries' exception groups (``except
+    BufferFull`` must catch it)."""
+    from lowwater import BufferFull
+    from lowwater.trainer import api
+    from lowwater.trainer.shards import ShardStore
+
+    class StopTraining(Exception):
+        pass
+
+    async def main():
+        with pytest.raises(StopTraining, match="from the training loop") as raised:
+            async with Lowwater.open(TrainerConfig(group_size=1)):
+                raise StopTraining("from the training loop")
+        assert type(raised.value) is StopTraining
+        # A shard store too small for one shard: the group's error is BufferFull itself.
+        monkeypatch.setattr(api, "ShardStore", lambda: ShardStore(capacity_bytes=16))
+        with pytest.raises(BufferFull):
+            async with Lowwater.open(TrainerConfig(group_size=2)) as lw:
+                with pytest.raises(BufferFull):
+                    await lw.next_batch(1)
+                await lw.next_batch(1)
+
+    trio.run(main)

@@ -40,6 +40,12 @@ __all__ = [
     "serve_model",
 ]
 
+#: The model server's listen backlog (uvicorn's default, which vLLM's
+#: OpenAI server inherits): every rollout of a group calls at once, and the
+#: 256 concurrent agents of benches/interception.py overflowed hypercorn's
+#: 100, so handshakes were dropped or reset (502s through the proxy).
+MODEL_BACKLOG = 2048
+
 
 async def serve_model(
     model: Model,
@@ -66,7 +72,13 @@ async def serve_model(
     started = False
     bind_error: OSError | None = None
     server = open_server(
-        "serve-model", build_app(model, admin_key=admin_key), host, port, advertise=advertise, admin_key=admin_key
+        "serve-model",
+        build_app(model, admin_key=admin_key),
+        host,
+        port,
+        advertise=advertise,
+        admin_key=admin_key,
+        backlog=MODEL_BACKLOG,
     )
     try:
         async with server as (_, address):

@@ -37,6 +37,7 @@ from lowwater import plugins as plugins_mod
 from lowwater._native import LowwaterError
 from lowwater.assembly import EngineConfig, engine_runtime_config, open_engine, program_argv
 from lowwater.environment import HARNESSES, Environment, Task
+from lowwater.excgroups import unwrapped
 from lowwater.rollout import Engine, Group
 from lowwater.trainer.drain import DrainReport, clear_batch
 from lowwater.trainer.pooled import GroupPool
@@ -215,10 +216,33 @@ class Lowwater:
         """Start the model (if local), the interception server and the shard
         store; yield a :class:`Lowwater`; shut everything down on exit.
 
+        An exception raised in the ``async with`` body, or by a method
+        (``lowwater.BufferFull`` from :meth:`next_batch`), comes out as
+        itself, not wrapped in the nurseries' exception groups; only several
+        failing at once stay a group.
+
         Raises:
             lowwater.plugins.UnknownName: unknown environment.
             lowwater.upstream.spec.UpstreamError: the model cannot be started/reached.
         """
+        try:
+            async with cls._open(config, plugins) as lw:
+                yield lw
+        except BaseExceptionGroup as group:
+            # The trainer's nurseries wrap an error once per nursery it
+            # passes (two for one raised in the `async with` body, or in
+            # next_batch): a trainer catching `lowwater.BufferFull`, or its
+            # own exception, must get that exception, not groups around it.
+            error = unwrapped(group)
+            if error is None:
+                raise
+        else:
+            return
+        raise error
+
+    @classmethod
+    @asynccontextmanager
+    async def _open(cls, config: TrainerConfig, plugins: Any) -> AsyncIterator[Lowwater]:
         plugins = plugins or plugins_mod.load()
         from lowwater.http.exposure import reachable_config  # lazy: the HTTP stack only for runs
 
@@ -311,10 +335,17 @@ class Lowwater:
                 sum(r.error is not None for r in group.rollouts),
             )
 
-        async with trio.open_nursery() as nursery:
-            for i in range(n_groups):
-                nursery.start_soon(one, i, next(self._tasks))
-        return Batch.assemble(step, slots)
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(n_groups):
+                    nursery.start_soon(one, i, next(self._tasks))
+        except BaseExceptionGroup as group:
+            error = unwrapped(group)  # one group's error is the error the docstring names
+            if error is None:
+                raise
+        else:
+            return Batch.assemble(step, slots)
+        raise error
 
     async def clear_batch(
         self, batch: Batch | Sequence[ShardRef | str], *, consumers: Sequence[str] = ()

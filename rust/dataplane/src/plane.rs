@@ -20,6 +20,10 @@ use crate::trim::Trimmer;
 use crate::upcall::{Intercept, Upcalls};
 use crate::upstream::Upstream;
 
+/// The listen backlog of the plane's socket (uvicorn's default is 2048;
+/// the kernel caps it at `net.core.somaxconn`).
+const LISTEN_BACKLOG: u32 = 4096;
+
 /// How the data plane runs.  [`Config::new`] gives the Python server's defaults.
 #[derive(Clone)]
 pub struct Config {
@@ -264,13 +268,21 @@ impl DataPlane {
             .enable_io()
             .enable_time()
             .build()?;
-        let std_listener = std::net::TcpListener::bind(listen)?;
-        std_listener.set_nonblocking(true)?;
-        let addr = std_listener.local_addr()?;
         let listener = {
             let _in = runtime.enter();
-            tokio::net::TcpListener::from_std(std_listener)?
+            let socket =
+                if listen.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+            // As std's bind does: a restarted proxy rebinds its port at once.
+            socket.set_reuseaddr(true)?;
+            socket.bind(listen)?;
+            // Agents connect in bursts (a group's rollouts start together,
+            // 256 at once in benches/interception.py): past std's backlog of
+            // 128 the kernel drops handshakes (a client waits a 1 s SYN
+            // retransmit) or answers with SYN cookies, which lose TCP options
+            // and can end in resets.
+            socket.listen(LISTEN_BACKLOG)?
         };
+        let addr = listener.local_addr()?;
         let table = config.table.unwrap_or_else(|| Arc::new(InterceptTable::new(None, 1 << 20)));
         let shared = Arc::new(Shared {
             table,
