@@ -450,8 +450,9 @@ class DataPlane:
             :class:`Upcall` s (any method; body under ``max_body_bytes``).
             Empty (the default): such requests are 404.
         trim_when_idle: give glibc's free heap pages back to the OS
-            (``malloc_trim(0)`` on a thread of its own, never a worker) once no
-            call ran for a second, and again once the idle upstream
+            (``malloc_trim(0)`` on a thread of its own, never a worker) once
+            for a second no call started, no client connection ended and no
+            rollout was unregistered, and again once the idle upstream
             connections have closed (``stats()["trims"]`` counts them).
 
     Raises:

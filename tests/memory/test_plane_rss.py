@@ -125,14 +125,14 @@ async def burst(plane: Plane, gate: str, n: int, tag: str) -> None:
 
 def resting(plane: Plane, sockets: int, trims: int) -> int:
     """The plane's RSS at rest (bytes): nothing held, no more sockets than
-    ``sockets``, and both of the plane's trims after the burst done (its
-    stats counted ``trims`` before the burst).
+    ``sockets``, and both of the plane's trims after the burst's closes done
+    (its stats counted ``trims`` once the rollouts were closed).
 
-    The plane trims once quiet for a second, and again once its idle upstream
-    connections could close (up to 11 s after the last call); no trim runs
-    while a call is active, so exactly two follow a burst.  Reading the RSS
-    after a fixed wait instead sampled it before the second trim (a second
-    burst seen as +51 MiB).
+    The plane trims once nothing moved for a second (no call started, no
+    connection ended, no rollout closed), and again once its idle upstream
+    connections could close (11 s later); the closes moved it, so two trims
+    follow them.  Reading the RSS after a fixed wait instead sampled it
+    before the second trim (a second burst seen as +51 MiB).
     """
 
     last: dict = {}
@@ -176,8 +176,11 @@ def test_plane_rests_near_its_baseline_after_bursts(tmp_path, record_property):
         sockets = plane.sockets()
         figures["start"] = rss_of(plane.proc.pid)
         for tag, n in (("warm", WARMUP), ("first", BURST), ("second", BURST)):
-            trims = plane.call({"op": "stats"})["trims"]
             await burst(plane, gate_url, n, tag)
+            # Read after the closes: the trims that ran while the client was
+            # still reading its answers (CI's was slow enough for both) came
+            # before its connections and the rollouts were freed.
+            trims = plane.call({"op": "stats"})["trims"]
             figures[tag] = await trio.to_thread.run_sync(resting, plane, sockets, trims)
 
     try:

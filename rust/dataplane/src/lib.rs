@@ -37,8 +37,8 @@
 //! burst's peak (measured in the standalone plane process after 16,384 open
 //! rollouts: 297 MiB resting against a 42 MiB baseline).  The plane gives
 //! them back itself: with [`Config::trim_when_idle`] (on by default) a
-//! thread of its own calls `malloc_trim(0)` once no call has run for a
-//! second, and again once the idle upstream connections have closed (60 MiB
+//! thread of its own calls `malloc_trim(0)` once the plane has been still
+//! for a second (no call started, connection ended or rollout closed), and again once the idle upstream connections have closed (60 MiB
 //! resting in the same run).  The final artifact chooses the global
 //! allocator; the extension module keeps glibc's.  The crate can also be
 //! built for mimalloc (feature `mimalloc`, on by default; [`Allocator`]),

@@ -80,7 +80,8 @@ pub struct Config {
     /// takes `/lowwater` and `/lowwater/stats`, not `/lowwaterx`.
     pub python_routes: Vec<String>,
     /// Give glibc's free heap pages back to the OS (`malloc_trim(0)`, on a
-    /// thread of its own) once no call has run for a second, and again after
+    /// thread of its own) once for a second no call started, no client
+    /// connection ended and no rollout closed, and again after
     /// the idle upstream connections have closed (true).  Without it a
     /// burst of open rollouts leaves the process at its peak (measured in
     /// src/trim.rs and docs/dataplane.md#the-allocator).  No effect without glibc.
@@ -348,6 +349,8 @@ impl DataPlane {
         // rollout closed or has its body swept here.
         self.shared.table.close_rollout(rollout_id);
         let cancelled = cancelled?;
+        // Its memory is freed: a trim is due once the plane is still.
+        self.shared.counters.epoch.fetch_add(1, Ordering::Relaxed);
         // After the close: an upcall inserted later sees the rollout closed.
         let upcalls = rollout.map_or(0, |r| self.shared.upcalls.cancel_rollout(&r));
         Some(cancelled + upcalls)
