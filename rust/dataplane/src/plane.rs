@@ -350,7 +350,7 @@ impl DataPlane {
         self.shared.table.close_rollout(rollout_id);
         let cancelled = cancelled?;
         // Its memory is freed: a trim is due once the plane is still.
-        self.shared.counters.epoch.fetch_add(1, Ordering::Relaxed);
+        self.shared.counters.releases.fetch_add(1, Ordering::Relaxed);
         // After the close: an upcall inserted later sees the rollout closed.
         let upcalls = rollout.map_or(0, |r| self.shared.upcalls.cancel_rollout(&r));
         Some(cancelled + upcalls)

@@ -64,13 +64,12 @@ pub(crate) struct Counters {
     pub(crate) disconnected: AtomicU64,
     pub(crate) refused: AtomicU64,
     pub(crate) trims: crate::trim::TrimCount,
-    /// Bumped by each event after which the plane may have freed memory: a
-    /// call's start, a client connection's end, a rollout's unregister.  The
-    /// trimmer trims once it stops moving; counting calls alone missed a
-    /// burst's connections closing after its last call (a slow client read
-    /// its answers for 20 s after the trims, and the 3,000 connections'
-    /// buffers were freed untrimmed: the plane rested 40 MiB high).
-    pub(crate) epoch: AtomicU64,
+    /// Client connections ended and rollouts unregistered: memory freed
+    /// outside a call.  The trimmer watches it beside `calls`; counting calls
+    /// alone missed a burst's connections closing after its last call (a
+    /// slow client read its answers for 20 s after the trims, and the 3,000
+    /// connections' buffers were freed untrimmed: the plane rested 40 MiB high).
+    pub(crate) releases: AtomicU64,
 }
 
 /// What every connection and call shares.
@@ -132,9 +131,8 @@ pub(crate) async fn accept_loop(sh: Arc<Shared>, listener: TcpListener, mut stop
         };
         let _ = stream.set_nodelay(true);
         let sh = Arc::clone(&sh);
-        let sh_end = Arc::clone(&sh);
         tokio::spawn(async move {
-            let _open = Gauge::new(&sh, |c| &c.connections);
+            let open = Gauge::new(&sh, |c| &c.connections);
             let svc = service_fn(move |req| {
                 let sh = Arc::clone(&sh);
                 async move { Ok::<_, Infallible>(handle(sh, req).await) }
@@ -144,7 +142,7 @@ pub(crate) async fn accept_loop(sh: Arc<Shared>, listener: TcpListener, mut stop
                 .header_read_timeout(SEND_TIMEOUT)
                 .serve_connection(TokioIo::new(stream), svc);
             let _ = conn.await;
-            bump(&sh_end.counters.epoch); // its buffers are freed: a trim is due
+            bump(&open.0.counters.releases); // its buffers are freed: a trim is due
         });
     }
 }
@@ -238,7 +236,6 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
         return r;
     }
     bump(&sh.counters.calls);
-    bump(&sh.counters.epoch);
     let rollout = match authenticate(&sh.rollouts, req.headers()) {
         Ok(r) => r,
         Err(why) => {

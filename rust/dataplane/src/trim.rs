@@ -12,10 +12,10 @@
 //!
 //! The trimmer is its own thread, never a tokio worker: `malloc_trim` walks
 //! every arena under its lock, which would stall the calls of a busy plane.
-//! It reads two counters once a second: the active calls, and an epoch that
-//! every call start, client connection end and rollout unregister bumps (each
-//! may free memory).  It trims when the epoch has not moved for a whole
-//! second and no call is active; then once more after the idle upstream
+//! Once a second it reads the counters the plane keeps anyway: calls begun,
+//! client connections ended and rollouts unregistered (each may free
+//! memory; their sum is the epoch), and the active calls.  It trims when the
+//! epoch has not moved for a whole second and no call is active; then once more after the idle upstream
 //! connections have had time to close (they close up to twice
 //! `pool_idle_timeout` after their last use, and count in no epoch).  Calls
 //! alone were not enough: a client slow to read 3,000 answers closed its
@@ -107,7 +107,7 @@ fn run(sh: &std::sync::Weak<Shared>, stop: &(Mutex<bool>, Condvar), late: Durati
     while sleep(stop, QUIET) {
         let Some(sh) = sh.upgrade() else { return };
         let c = &sh.counters;
-        let epoch = c.epoch.load(Ordering::Relaxed);
+        let epoch = c.calls.load(Ordering::Relaxed) + c.releases.load(Ordering::Relaxed);
         let quiet = epoch == before && c.active_calls.load(Ordering::Relaxed) == 0;
         before = epoch;
         if !quiet {
