@@ -27,8 +27,11 @@ static COUNT: [AtomicI64; SLOTS] = [const { AtomicI64::new(0) }; SLOTS];
 
 #[cfg(all(feature = "mimalloc", not(loom)))]
 static INNER: mimalloc::MiMalloc = mimalloc::MiMalloc;
-#[cfg(any(not(feature = "mimalloc"), loom))]
+#[cfg(loom)]
 static INNER: System = System;
+// The extension's allocator: hyper's buffers on pages of their own.
+#[cfg(all(not(feature = "mimalloc"), not(loom)))]
+static INNER: lowwater_dataplane::BufferAlloc<System> = lowwater_dataplane::BufferAlloc::new(System);
 
 fn slot(size: usize) -> usize {
     ((usize::BITS - size.max(1).leading_zeros()) as usize).min(SLOTS - 1)
@@ -81,7 +84,10 @@ fn main() {
     upstream.set_nonblocking(true).unwrap();
     let mut config = Config::new(format!("http://{}/v1", upstream.local_addr().unwrap()));
     config.retries = 0;
-    config.max_concurrency = n + 1; // every call reaches the upstream
+    // Argument 2: the plane's max_concurrency (default N + 1: every call
+    // reaches the upstream; the default configuration's 1,024 queues the rest).
+    config.max_concurrency = std::env::args().nth(2).map_or(n + 1, |s| s.parse().expect("a count of calls"));
+    let reach = config.max_concurrency.min(n);
     let plane = DataPlane::start(config, "127.0.0.1:0".parse().unwrap()).unwrap();
     for i in 0..n {
         plane.register(&format!("r{i}"), &format!("lw-secret-{i:08}")).unwrap();
@@ -108,7 +114,7 @@ fn main() {
         while let Ok((c, _)) = upstream.accept() {
             held.push(c);
         }
-        if plane.stats().in_flight as usize >= n && held.len() >= n {
+        if plane.stats().in_flight as usize >= n && held.len() >= reach {
             break;
         }
         std::thread::sleep(Duration::from_millis(20));

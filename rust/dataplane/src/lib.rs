@@ -69,6 +69,8 @@ mod sync;
 #[cfg(not(loom))]
 mod body;
 #[cfg(not(loom))]
+pub mod bufalloc;
+#[cfg(not(loom))]
 pub mod divergence;
 #[cfg(not(loom))]
 pub mod error;
@@ -97,6 +99,8 @@ pub mod upcall;
 mod upstream;
 
 /// The byte buffer of the control API's bodies (the `bytes` crate's).
+#[cfg(not(loom))]
+pub use bufalloc::BufferAlloc;
 #[cfg(not(loom))]
 pub use bytes::Bytes;
 #[cfg(not(loom))]

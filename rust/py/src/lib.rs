@@ -18,6 +18,14 @@ mod table;
 #[global_allocator]
 static ALLOC: lowwater_dataplane::Allocator = lowwater_dataplane::Allocator;
 
+// glibc's malloc for everything but hyper's 8 KiB connection buffers, which
+// go on pages of their own and back to the OS when freed: an open rollout's
+// untouched buffers were resident on glibc's heap (docs/dataplane.md#per-open-rollout).
+#[cfg(not(feature = "mimalloc"))]
+#[global_allocator]
+static ALLOC: lowwater_dataplane::BufferAlloc<std::alloc::System> =
+    lowwater_dataplane::BufferAlloc::new(std::alloc::System);
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;

@@ -1,0 +1,239 @@
+//! Connection buffers on pages of their own, given back to the OS when freed.
+//!
+//! hyper gives every HTTP/1.1 connection an 8 KiB write buffer when it is
+//! served and reserves 8 KiB for each read (`INIT_BUFFER_SIZE`; no setting
+//! makes either smaller).  A call held open (or queued for the upstream) has
+//! read a few hundred bytes and written none, so most of those buffers are
+//! never touched; but glibc carves them from its heap between small
+//! allocations, writes a chunk header before each, and puts other
+//! connections' small objects in the same pages, so the untouched bytes are
+//! resident anyway.  `examples/held_alloc.rs` counted 14.3 KB resident per
+//! queued call on glibc (22.1 KB allocated, 16.4 KB of it the two buffers),
+//! and mimalloc was worse (23.8 KB: it writes a free-list link into each
+//! block).
+//!
+//! [`BufferAlloc`] serves allocations of hyper's buffer size class,
+//! (4 KiB, 8 KiB], from 8 KiB slots of their own `mmap`ed chunks: nothing but
+//! the buffer's owner writes to a slot (no header, no link: the free list is
+//! an index stack beside the chunks), so an untouched buffer costs no
+//! resident page, and a freed slot is given back at once with
+//! `madvise(MADV_DONTNEED)`: a burst's buffers do not wait for `malloc_trim`.
+//! Every other allocation goes to the inner allocator unchanged.  When the
+//! pool cannot grow (its [`MAX_CHUNKS`] chunks in use, or `mmap` refused, as
+//! under an `RLIMIT_AS` cap) the buffer comes from the inner allocator too.
+//!
+//! The pool's state is one lock taken for a push or a pop (a chunk's `mmap`
+//! when it grows); the `madvise` runs outside it.
+
+use std::alloc::{GlobalAlloc, Layout};
+use std::ptr;
+use std::sync::Mutex;
+
+/// The slot size: hyper's `INIT_BUFFER_SIZE`.
+pub const SLOT_BYTES: usize = 8192;
+/// The smallest size served from the pool (exclusive): smaller allocations
+/// share pages with their neighbours anyway.
+const MIN_EXCLUSIVE: usize = 4096;
+/// Slots per chunk (one 2 MiB `mmap`).
+const SLOTS_PER_CHUNK: usize = 256;
+const CHUNK_BYTES: usize = SLOT_BYTES * SLOTS_PER_CHUNK;
+/// Chunks the pool may map: 4 GiB of address space, 524,288 slots (two per
+/// held call's connection, 16,384 calls need 64 chunks).
+pub const MAX_CHUNKS: usize = 2048;
+const MAX_SLOTS: usize = MAX_CHUNKS * SLOTS_PER_CHUNK;
+
+/// A global allocator that puts hyper's connection buffers on pages of
+/// their own (see the module docs) and everything else on `A`.
+///
+/// ```ignore
+/// #[global_allocator]
+/// static ALLOC: lowwater_dataplane::BufferAlloc<std::alloc::System> =
+///     lowwater_dataplane::BufferAlloc::new(std::alloc::System);
+/// ```
+pub struct BufferAlloc<A> {
+    inner: A,
+}
+
+impl<A> BufferAlloc<A> {
+    /// Wrap `inner`, which serves every allocation outside the pool's size class.
+    pub const fn new(inner: A) -> Self {
+        BufferAlloc { inner }
+    }
+}
+
+/// The pool: chunk bases (in mapping order, and sorted for lookup) and the
+/// stack of free slot indices.  All zeros when empty, so the static lives in
+/// `.bss` and only the pages the pool uses become resident.
+struct Pool {
+    /// Chunk `i`'s base address, for `i < chunks`.
+    bases: [usize; MAX_CHUNKS],
+    /// `(base, i)` for `i < chunks`, sorted by base: a freed pointer's chunk.
+    sorted: [(usize, u32); MAX_CHUNKS],
+    chunks: usize,
+    /// Free slot indices (`chunk * SLOTS_PER_CHUNK + slot`); `free[..top]`.
+    free: [u32; MAX_SLOTS],
+    top: usize,
+    /// Slots handed out now (for [`pooled_slots`]).
+    used: usize,
+}
+
+static POOL: Mutex<Pool> = Mutex::new(Pool {
+    bases: [0; MAX_CHUNKS],
+    sorted: [(0, 0); MAX_CHUNKS],
+    chunks: 0,
+    free: [0; MAX_SLOTS],
+    top: 0,
+    used: 0,
+});
+
+fn pooled(layout: Layout) -> bool {
+    layout.size() > MIN_EXCLUSIVE && layout.size() <= SLOT_BYTES && layout.align() <= 4096
+}
+
+impl Pool {
+    fn address(&self, slot: u32) -> *mut u8 {
+        let slot = slot as usize;
+        (self.bases[slot / SLOTS_PER_CHUNK] + (slot % SLOTS_PER_CHUNK) * SLOT_BYTES) as *mut u8
+    }
+
+    /// The slot index of `p`, if `p` is a slot of one of the pool's chunks.
+    fn slot_of(&self, p: usize) -> Option<u32> {
+        let sorted = &self.sorted[..self.chunks];
+        // The last chunk whose base is at or below p.
+        let k = sorted.partition_point(|&(base, _)| base <= p).checked_sub(1)?;
+        let (base, chunk) = sorted[k];
+        let off = p - base;
+        if off >= CHUNK_BYTES || off % SLOT_BYTES != 0 {
+            return None;
+        }
+        Some(chunk * SLOTS_PER_CHUNK as u32 + (off / SLOT_BYTES) as u32)
+    }
+
+    /// Map one more chunk and put its slots on the free stack (highest
+    /// first, so slots are handed out in address order); false if it cannot.
+    fn grow(&mut self) -> bool {
+        if self.chunks == MAX_CHUNKS {
+            return false;
+        }
+        // SAFETY: an anonymous private mapping of fresh pages; no existing
+        // memory is touched.  MAP_NORESERVE: the pages are committed as they
+        // are written, which is the point.
+        let base = unsafe {
+            libc::mmap(
+                ptr::null_mut(),
+                CHUNK_BYTES,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return false;
+        }
+        let (base, i) = (base as usize, self.chunks);
+        self.bases[i] = base;
+        let at = self.sorted[..i].partition_point(|&(b, _)| b < base);
+        self.sorted.copy_within(at..i, at + 1);
+        self.sorted[at] = (base, i as u32);
+        self.chunks += 1;
+        for s in (0..SLOTS_PER_CHUNK).rev() {
+            self.free[self.top] = (i * SLOTS_PER_CHUNK + s) as u32;
+            self.top += 1;
+        }
+        true
+    }
+
+    fn pop(&mut self) -> Option<*mut u8> {
+        if self.top == 0 && !self.grow() {
+            return None;
+        }
+        self.top -= 1;
+        self.used += 1;
+        Some(self.address(self.free[self.top]))
+    }
+}
+
+fn lock() -> std::sync::MutexGuard<'static, Pool> {
+    // Nothing panics while holding it; a poisoned lock's state is still whole.
+    POOL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Slots handed out now and chunks mapped (for tests and `examples/held_alloc.rs`).
+pub fn pooled_slots() -> (usize, usize) {
+    let p = lock();
+    (p.used, p.chunks)
+}
+
+/// Give a freed slot's pages back, then put it on the free stack.
+fn release(slot: u32, p: *mut u8) {
+    // SAFETY: `p` is the start of an 8 KiB slot inside a mapping the pool
+    // owns, and its owner has freed it: nobody reads or writes it until it is
+    // handed out again, which cannot happen before it is pushed below.  The
+    // next use reads zeros (MADV_DONTNEED on a private anonymous mapping).
+    unsafe {
+        libc::madvise(p.cast(), SLOT_BYTES, libc::MADV_DONTNEED);
+    }
+    let mut pool = lock();
+    let top = pool.top;
+    pool.free[top] = slot;
+    pool.top += 1;
+    pool.used -= 1;
+}
+
+// SAFETY: a pooled pointer is an 8 KiB, 8 KiB-aligned slot no one else holds
+// (popped under the lock), which satisfies any layout `pooled` accepts;
+// every other call is the inner allocator's, with the caller's contract.
+unsafe impl<A: GlobalAlloc> GlobalAlloc for BufferAlloc<A> {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if pooled(layout) {
+            if let Some(p) = lock().pop() {
+                return p;
+            }
+        }
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.inner.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        if pooled(layout) {
+            // A slot is zeros: fresh pages, or given back by MADV_DONTNEED.
+            if let Some(p) = lock().pop() {
+                return p;
+            }
+        }
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.inner.alloc_zeroed(layout) }
+    }
+
+    unsafe fn dealloc(&self, p: *mut u8, layout: Layout) {
+        if pooled(layout) {
+            let slot = lock().slot_of(p as usize);
+            if let Some(slot) = slot {
+                release(slot, p);
+                return;
+            }
+        }
+        // SAFETY: not a slot, so the inner allocator's: the caller's contract.
+        unsafe { self.inner.dealloc(p, layout) }
+    }
+
+    unsafe fn realloc(&self, p: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: the caller guarantees new_size, rounded up to the
+        // alignment, does not overflow isize.
+        let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
+        if !pooled(layout) && !pooled(new_layout) {
+            // SAFETY: neither side is the pool's: the caller's contract.
+            return unsafe { self.inner.realloc(p, layout, new_size) };
+        }
+        // SAFETY: as alloc and dealloc; the copy is within both blocks.
+        unsafe {
+            let q = self.alloc(new_layout);
+            if !q.is_null() {
+                ptr::copy_nonoverlapping(p, q, layout.size().min(new_size));
+                self.dealloc(p, layout);
+            }
+            q
+        }
+    }
+}

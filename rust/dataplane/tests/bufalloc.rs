@@ -1,0 +1,165 @@
+//! `BufferAlloc`: hyper-sized buffers come from the pool, hold what is
+//! written to them, cost no resident page until written, and are given back
+//! to the OS when freed; every other size is the inner allocator's.
+#![cfg(not(loom))]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::Mutex;
+
+use lowwater_dataplane::bufalloc::{pooled_slots, SLOT_BYTES};
+use lowwater_dataplane::BufferAlloc;
+use proptest::prelude::*;
+
+#[global_allocator]
+static ALLOC: BufferAlloc<System> = BufferAlloc::new(System);
+
+/// The tests read process-wide counts (slots in use, RSS): one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn rss_bytes() -> usize {
+    let statm = std::fs::read_to_string("/proc/self/statm").expect("Linux /proc");
+    statm.split_whitespace().nth(1).and_then(|p| p.parse::<usize>().ok()).expect("resident pages") * 4096
+}
+
+fn buffer(n: usize) -> Vec<u8> {
+    Vec::with_capacity(n)
+}
+
+#[test]
+fn hypers_buffer_size_comes_from_the_pool_and_goes_back() {
+    let _s = serial();
+    let (before, _) = pooled_slots();
+    let mut b = buffer(SLOT_BYTES);
+    assert_eq!(pooled_slots().0, before + 1);
+    assert_eq!(b.as_ptr() as usize % SLOT_BYTES, 0, "a slot is slot-aligned");
+    b.extend((0..SLOT_BYTES).map(|i| (i % 251) as u8));
+    assert!(b.iter().enumerate().all(|(i, &x)| x == (i % 251) as u8));
+    drop(b);
+    assert_eq!(pooled_slots().0, before);
+    // The slot was given back with MADV_DONTNEED: the next buffer reads zeros.
+    let z = vec![0u8; SLOT_BYTES];
+    assert!(z.iter().all(|&x| x == 0));
+    let mut again = buffer(SLOT_BYTES);
+    // SAFETY: u8 has no invalid values; reading what the allocator handed out.
+    unsafe { again.set_len(SLOT_BYTES) };
+    assert!(again.iter().all(|&x| x == 0), "a reused slot is zeros, not the last owner's bytes");
+}
+
+#[test]
+fn other_sizes_are_the_inner_allocators() {
+    let _s = serial();
+    let (before, _) = pooled_slots();
+    let small = buffer(4096);
+    let large = buffer(SLOT_BYTES + 1);
+    let aligned = Layout::from_size_align(SLOT_BYTES, 8192).unwrap();
+    // SAFETY: a valid non-zero layout; freed below with the same layout.
+    let p = unsafe { ALLOC.alloc(aligned) };
+    assert_eq!(pooled_slots().0, before, "4096, 8193 bytes and 8 KiB alignment are not pooled");
+    // SAFETY: allocated above with this layout.
+    unsafe { ALLOC.dealloc(p, aligned) };
+    drop((small, large));
+}
+
+#[test]
+fn untouched_buffers_are_not_resident_and_freed_ones_leave() {
+    let _s = serial();
+    const N: usize = 4000; // 31 MiB of buffers
+    let rss0 = rss_bytes();
+    let mut held: Vec<Vec<u8>> = (0..N).map(|_| buffer(SLOT_BYTES)).collect();
+    let untouched = rss_bytes().saturating_sub(rss0);
+    assert!(untouched < N * 1024, "{N} untouched 8 KiB buffers made {untouched} bytes resident");
+    for b in &mut held {
+        b.resize(SLOT_BYTES, 7);
+    }
+    let touched = rss_bytes().saturating_sub(rss0);
+    assert!(touched > N * SLOT_BYTES * 3 / 4, "written buffers are resident ({touched} bytes)");
+    drop(held);
+    let after = rss_bytes().saturating_sub(rss0);
+    assert!(after < N * 1024, "freed buffers left {after} bytes resident (no trim needed)");
+}
+
+#[test]
+fn threads_share_the_pool() {
+    let _s = serial();
+    let (before, _) = pooled_slots();
+    std::thread::scope(|s| {
+        for t in 0..4u8 {
+            s.spawn(move || {
+                for round in 0..500u32 {
+                    let mut bufs: Vec<Vec<u8>> = (0..8).map(|_| buffer(SLOT_BYTES)).collect();
+                    for (k, b) in bufs.iter_mut().enumerate() {
+                        b.resize(SLOT_BYTES, t ^ (k as u8) ^ (round as u8));
+                    }
+                    for (k, b) in bufs.iter().enumerate() {
+                        let want = t ^ (k as u8) ^ (round as u8);
+                        assert!(b.iter().all(|&x| x == want), "a slot was handed to two owners");
+                    }
+                }
+            });
+        }
+    });
+    assert_eq!(pooled_slots().0, before);
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Alloc(usize),
+    Grow(usize, usize),
+    Free(usize),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    // Sizes around the pool's bounds: 4096 (inner), 4097..=8192 (pool), above (inner).
+    let size = prop_oneof![1usize..64, 4090usize..4100, 8185usize..8200, 12000usize..20000];
+    prop_oneof![
+        size.clone().prop_map(Op::Alloc),
+        (any::<usize>(), size).prop_map(|(i, s)| Op::Grow(i, s)),
+        any::<usize>().prop_map(Op::Free),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Whatever mix of sizes is allocated, grown across the pool's bounds and
+    /// freed, every buffer keeps its own bytes, and the pool ends as it began.
+    #[test]
+    fn buffers_keep_their_bytes(ops in prop::collection::vec(op(), 1..120)) {
+        let _s = serial();
+        let (before, _) = pooled_slots();
+        let mut live: Vec<(Vec<u8>, u8)> = Vec::new();
+        for (n, op) in ops.into_iter().enumerate() {
+            let tag = n as u8;
+            match op {
+                Op::Alloc(size) => {
+                    let mut b = buffer(size);
+                    b.resize(size, tag);
+                    live.push((b, tag));
+                }
+                Op::Grow(i, size) if !live.is_empty() => {
+                    let k = i % live.len();
+                    let (b, t) = &mut live[k];
+                    let had = b.len();
+                    // Vec growth reallocs: into, out of, or within the pool.
+                    b.reserve_exact(size.saturating_sub(b.capacity()));
+                    b.resize(had.max(size), *t);
+                    b.shrink_to_fit();
+                }
+                Op::Free(i) if !live.is_empty() => {
+                    let k = i % live.len();
+                    live.swap_remove(k);
+                }
+                _ => {}
+            }
+            for (b, t) in &live {
+                prop_assert!(b.iter().all(|x| x == t));
+            }
+        }
+        drop(live);
+        prop_assert_eq!(pooled_slots().0, before);
+    }
+}
