@@ -40,7 +40,8 @@
 //! thread of its own calls `malloc_trim(0)` once the plane has been still
 //! for a second (no call started, connection ended or rollout closed), and again once the idle upstream connections have closed (60 MiB
 //! resting in the same run).  The final artifact chooses the global
-//! allocator; the extension module keeps glibc's.  The crate can also be
+//! allocator; the extension module keeps glibc's, under [`BufferAlloc`]
+//! (hyper's 8 KiB connection buffers on pages of their own, given back when freed).  The crate can also be
 //! built for mimalloc (feature `mimalloc`, on by default; [`Allocator`]),
 //! which the crate's own tests use: compiled with `local_dynamic_tls`,
 //! because the default initial-exec TLS model can fail with "cannot allocate
