@@ -20,13 +20,19 @@ JSON object per stdin line, one JSON reply per stdout line, in order:
   (``t`` turns were recorded in them; ``c`` calls were cancelled).
 * ``{"op": "stats"}`` -> the plane's ``stats()`` and ``trajectories``
   (open), ``turns`` (recorded in all), ``orphans`` (records of rollouts
-  already closed).
+  already closed), ``heap_in_use_bytes`` (glibc's ``mallinfo2``: bytes
+  allocated and not freed, mmapped blocks included; -1 without glibc) and
+  ``python_objects`` (objects the garbage collector tracks): what a burst
+  left allocated, told apart from pages glibc kept.
 
 At end of input the plane is closed and the process exits.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import os
 import sys
 
@@ -36,6 +42,36 @@ import trio
 from lowwater._native import DataPlane, TurnRecord
 from lowwater.interception.dataplane import serve_records, turn_of
 from lowwater.trajectory import Trajectory
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def heap_in_use_bytes() -> int:
+    """Bytes glibc has handed out and not taken back (``uordblks + hblkhd``), or -1."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError, TypeError):
+        return -1
+    mallinfo2.restype = _Mallinfo2
+    info = mallinfo2()
+    return int(info.uordblks + info.hblkhd)
 
 
 def main(upstream: str, trim_when_idle: bool) -> None:
@@ -70,7 +106,13 @@ def main(upstream: str, trim_when_idle: bool) -> None:
                 turns += len(trajectories.pop(rollout_id).turns)
             return {"closed": len(request["ids"]), "turns": turns, "cancelled": cancelled}
         if op == "stats":
-            return {**plane.stats(), "trajectories": len(trajectories), **counts}
+            return {
+                **plane.stats(),
+                "trajectories": len(trajectories),
+                **counts,
+                "heap_in_use_bytes": heap_in_use_bytes(),
+                "python_objects": len(gc.get_objects()),
+            }
         raise ValueError(f"unknown op {op!r}")
 
     async def control(cancel: trio.CancelScope) -> None:

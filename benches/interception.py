@@ -561,6 +561,7 @@ async def plane_burst(plane: PlaneChild, gate: Conn, n: int, trim: bool) -> dict
     (``base`` before it, ``resting`` after it)."""
     host, port = split_url(plane.url)
     await gate.request("POST", "/gate/hold", idempotent=True)
+    heap_base = (await plane.acall({"op": "stats"}))["heap_in_use_bytes"]
     rss_base = rss_bytes(plane.pid)
     sockets_base = sockets_of(plane.pid)
     t_open = time.perf_counter()
@@ -605,7 +606,11 @@ async def plane_burst(plane: PlaneChild, gate: Conn, n: int, trim: bool) -> dict
     for _ in range(3):
         samples.append(rss_bytes(plane.pid))
         await trio.sleep(0.2)
+    rested = await plane.acall({"op": "stats"})
     return {
+        "heap_base": heap_base,
+        "heap": rested["heap_in_use_bytes"],
+        "objects": rested["python_objects"],
         "open_s": open_s,
         "all_open_s": all_open_s,
         "first_s": min(done) if done else float("nan"),
@@ -630,9 +635,15 @@ async def hold_plane(plane: PlaneChild, gate_url: str, n: int, trim: bool = True
     assert (await Conn(*split_url(plane.url)).request("POST", "/v1/chat/completions", REQUEST, auth(warm[0])))[0] == 200
     await plane.close(warm)
     first = await plane_burst(plane, gate, n, trim)
-    progress(f"  first burst: resting {first['resting'] / MIB:.1f} MiB (baseline {first['base'] / MIB:.1f})")
+    progress(
+        f"  first burst: resting {first['resting'] / MIB:.1f} MiB (baseline {first['base'] / MIB:.1f});"
+        f" heap in use {first['heap'] / MIB:.2f} MiB, {first['objects']} Python objects"
+    )
     second = await plane_burst(plane, gate, n, trim)
-    progress(f"  second burst: resting {second['resting'] / MIB:.1f} MiB")
+    progress(
+        f"  second burst: resting {second['resting'] / MIB:.1f} MiB;"
+        f" heap in use {second['heap'] / MIB:.2f} MiB, {second['objects']} Python objects"
+    )
     await gate.aclose()
     s = first["settled"]
     return {
@@ -651,6 +662,9 @@ async def hold_plane(plane: PlaneChild, gate_url: str, n: int, trim: bool = True
         "plane_rss_resting_after_second_burst_mb": second["resting"] / MIB,
         "plane_rss_resting_minus_baseline_bytes": first["resting"] - first["base"],
         "plane_second_burst_added_bytes": second["resting"] - first["resting"],
+        "plane_first_burst_heap_added_bytes": first["heap"] - first["heap_base"],
+        "plane_second_burst_heap_added_bytes": second["heap"] - first["heap"],
+        "plane_second_burst_python_objects_added_count": second["objects"] - first["objects"],
         "plane_sockets_left_after_close_count": second["sockets_left"],
         "plane_connections_after_close_count": s["connections"] + second["settled"]["connections"],
     }

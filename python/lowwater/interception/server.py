@@ -148,6 +148,7 @@ class InterceptionServer:
             names.add(protocol.name)
         self._by_name = {p.name: p for p in self.routes.values()}
         self.url = ""
+        self._base_url = ""
         self.slots = SlotRegistry()
         self.plane: DataPlane | None = None
         self._mounts: list[tuple[str, App]] = []
@@ -297,7 +298,11 @@ class InterceptionServer:
         client = upstream or self.upstream
         if client is None:
             raise RuntimeError("no upstream ModelClient: give one to InterceptionServer() or register()")
-        slot = Slot(trajectory.rollout_id, f"{self.url}/v1", new_secret(), trajectory, client)
+        # One base URL string for every slot of this run, not one per slot.
+        base_url = f"{self.url}/v1"
+        if base_url != self._base_url:
+            self._base_url = base_url
+        slot = Slot(trajectory.rollout_id, self._base_url, new_secret(), trajectory, client)
         self.slots.add(slot)
         try:
             if client is self.upstream:

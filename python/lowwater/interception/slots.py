@@ -1,9 +1,11 @@
-"""Per-rollout registration: the slot an agent calls, its secret and its waiting handlers.
+"""Per-rollout registration: the slot an agent calls and its secret.
 
 Owner: the :class:`~lowwater.interception.InterceptionServer`.  A slot lives
 from ``register`` to ``unregister``; unregistering forgets the secret (the
-agent's next call is 401) and cancels every handler still serving the
-rollout, so none of them can wait on a rollout that is gone.
+agent's next call is 401) and the data plane cancels the rollout's calls
+still in flight (410 at once), so none of them can wait on a rollout that is
+gone.  A slot is kept small: a burst of 16,384 open rollouts holds as many
+(the secret table itself lives in the data plane).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import attrs
-import trio
 
 
 @attrs.define(eq=False)
@@ -28,8 +29,8 @@ class Slot:
             or ``x-api-key``.
         trajectory: the :class:`~lowwater.trajectory.Trajectory` turns go to.
         upstream: the :class:`~lowwater.upstream.client.ModelClient` calls go to.
-        handlers: cancel scopes of the handlers serving this rollout now.
-        closed: set by unregister; a handler that sees it answers with an error.
+        closed: set by unregister; a record of the rollout that arrives
+            after it is not added to the trajectory.
     """
 
     rollout_id: str
@@ -37,20 +38,12 @@ class Slot:
     secret: str = attrs.field(repr=False)
     trajectory: Any = attrs.field(repr=False)
     upstream: Any = attrs.field(repr=False)
-    handlers: set[trio.CancelScope] = attrs.field(factory=set, repr=False)
     closed: bool = False
 
     @property
     def anthropic_base_url(self) -> str:
         """``base_url`` without ``/v1``: the Anthropic SDK (``ANTHROPIC_BASE_URL``) adds it itself."""
         return self.base_url.removesuffix("/v1")
-
-    def close(self) -> int:
-        """Mark closed and cancel every handler; returns how many were cancelled."""
-        self.closed = True
-        for scope in self.handlers:
-            scope.cancel()
-        return len(self.handlers)
 
 
 def new_secret() -> str:
@@ -59,34 +52,22 @@ def new_secret() -> str:
 
 
 class SlotRegistry:
-    """Open slots by rollout id and by secret (both dicts, O(1) per call)."""
+    """Open slots by rollout id (the data plane authenticates secrets itself)."""
 
     def __init__(self) -> None:
         self._by_id: dict[str, Slot] = {}
-        self._by_secret: dict[str, Slot] = {}
 
     def add(self, slot: Slot) -> None:
         """Raises KeyError if the rollout already has a slot."""
         if slot.rollout_id in self._by_id:
             raise KeyError(f"rollout {slot.rollout_id!r} is already registered")
         self._by_id[slot.rollout_id] = slot
-        self._by_secret[slot.secret] = slot
 
     def pop(self, rollout_id: str) -> Slot | None:
-        slot = self._by_id.pop(rollout_id, None)
-        if slot is not None:
-            self._by_secret.pop(slot.secret, None)
-        return slot
+        return self._by_id.pop(rollout_id, None)
 
     def get(self, rollout_id: str) -> Slot | None:
         return self._by_id.get(rollout_id)
-
-    def by_secret(self, secret: str) -> Slot | None:
-        return self._by_secret.get(secret)
-
-    def waiting(self) -> int:
-        """Handlers serving a call of an open slot right now."""
-        return sum(len(s.handlers) for s in self._by_id.values())
 
     def __len__(self) -> int:
         return len(self._by_id)
