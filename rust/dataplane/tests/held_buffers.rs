@@ -127,18 +127,33 @@ impl Rig {
     }
 
     /// Wait until the plane holds no connection, call or record; then the
-    /// slots handed out must be what they were before.
+    /// slots handed out must be back to what they were before, give or take
+    /// [`SLACK`].
     fn settle(&self, before: usize) {
         let plane = &self.plane;
         wait_for("the plane to settle", || {
             let s = plane.stats();
             s.connections == 0 && s.active_calls == 0 && s.in_flight == 0 && s.queued == 0 && s.awaiting_ack == 0
         });
-        // Idle upstream connections close after pool_idle_timeout.
-        wait_for("every slot back in the pool", || used() <= before);
-        assert_eq!(used(), before);
+        let deadline = Instant::now() + GUARD;
+        while used() > before + SLACK {
+            assert!(
+                Instant::now() < deadline,
+                "{} slots still handed out ({before} before); stats {:?}",
+                used(),
+                plane.stats()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 }
+
+/// Slots that may stay handed out after a round, against the 2 per call it
+/// held: the pool serves every allocation of its size class, and a queue
+/// the round grew past 4 KiB (the completion queue, the ack map) keeps its
+/// capacity (seen: one slot, now and then).  A connection's buffers kept
+/// would be 2 per call, 128 here.
+const SLACK: usize = 4;
 
 fn read_status(c: &mut TcpStream) -> String {
     let mut buf = [0u8; 4096];
@@ -146,24 +161,39 @@ fn read_status(c: &mut TcpStream) -> String {
     String::from_utf8_lossy(&buf[..n]).lines().next().unwrap_or_default().to_owned()
 }
 
+impl Rig {
+    /// Hold `CALLS` calls of fresh rollouts and answer them all.
+    fn answered(&mut self, tag: &str) {
+        let mut clients = self.hold(tag);
+        self.answer_all(CALLS);
+        for c in &mut clients {
+            assert!(read_status(c).starts_with("HTTP/1.1 200"));
+        }
+        for i in 0..CALLS {
+            self.plane.unregister(&format!("{tag}{i}"));
+        }
+    }
+}
+
 #[test]
 fn held_calls_keep_their_buffers_in_slots_and_give_them_all_back() {
     let mut rig = Rig::start();
-    // A warm-up call: the upstream client and the runtime's own buffers.
-    let warm = rig.hold_one("warm");
-    drop(warm);
-    // The warm-up's upstream connection is closed by the rig once answered;
-    // its slots go back when the plane's pool notices (within its 200 ms
-    // idle timeout at the latest).
+    // A warm-up round of the same size: the runtime's own structures (tokio's
+    // I/O registration slab grows a page of this size class for 64
+    // connections) are sized by it, and stay.
+    rig.answered("warm");
     let plane = &rig.plane;
     wait_for("the warm-up to settle", || plane.stats().connections == 0 && plane.stats().active_calls == 0);
+    // Its upstream connections were closed by the rig (`connection: close`).
     std::thread::sleep(Duration::from_millis(600));
     let before = used();
 
-    // Answered.
+    // Answered; counted while held.
     let mut clients = rig.hold("ok");
     let held = used() - before;
-    assert!(held >= CALLS, "{CALLS} held calls hold {held} slots: each agent connection's buffers are slots");
+    // Two per agent connection (hyper's write buffer and its read buffer),
+    // two per upstream connection: 144 with hyper 1.12.
+    assert!(held >= 2 * CALLS, "{CALLS} held calls hold {held} slots: each agent connection's two buffers are slots");
     rig.answer_all(CALLS);
     for c in &mut clients {
         assert!(read_status(c).starts_with("HTTP/1.1 200"));
@@ -197,16 +227,4 @@ fn held_calls_keep_their_buffers_in_slots_and_give_them_all_back() {
         rig.plane.unregister(&format!("left{i}"));
     }
     rig.settle(before);
-}
-
-impl Rig {
-    /// One answered call on a fresh rollout (warms the pools).
-    fn hold_one(&mut self, r: &str) -> TcpStream {
-        self.plane.register(r, &format!("lw-{r}")).unwrap();
-        let mut c = self.send(r);
-        self.answer_all(1);
-        assert!(read_status(&mut c).starts_with("HTTP/1.1 200"));
-        self.plane.unregister(r);
-        c
-    }
 }
