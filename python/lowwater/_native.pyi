@@ -355,7 +355,9 @@ class Upcall:
         method: the HTTP method (``"POST"`` for an intercepted call).
         path: the path with its query string, as sent (percent-escapes kept).
         headers: the request's headers as ``(name, value)`` byte pairs, names
-            lower-case (empty for an intercepted call).
+            lower-case, repeated names repeated in order (an intercepted
+            call's without ``authorization`` and ``x-api-key``: the rollout's
+            secret).
         body: the request's body (an intercepted call's validated JSON).
     """
 

@@ -200,8 +200,10 @@ async def intercept_request(call: Any) -> None:
     """An agent's model call, before it is forwarded upstream.
 
     ``call`` is a :class:`lowwater.interception.hooks.InterceptedCall`:
-    ``rollout_id``, ``protocol`` (``"openai.chat"``, ...) and ``body``, the
-    parsed request as a mutable dict.  Change ``body`` in place (redact,
+    ``rollout_id``, ``protocol`` (``"openai.chat"``, ...), ``body``, the
+    parsed request as a mutable dict, and ``headers``, the agent's request
+    headers as a read-only mapping (lower-case names; never the rollout's
+    secret).  Change ``body`` in place (redact,
     add sampling parameters, ask for logprobs): what the last interceptor
     leaves is what is sent upstream and recorded as the turn.  Raise
     :class:`lowwater.interception.Reject` ``(status, message)`` to refuse the

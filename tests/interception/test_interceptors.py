@@ -100,6 +100,46 @@ def test_redact_forwards_and_records_the_changed_body(kind, stream):
     run(fn)
 
 
+class SeeHeaders:
+    def __init__(self):
+        self.seen = []
+
+    @hookimpl
+    async def intercept_request(self, call):
+        self.seen.append(call.headers)
+
+    @hookimpl
+    async def intercept_response(self, call, response):
+        self.seen.append(call.headers)
+
+
+@pytest.mark.parametrize("auth", ["bearer", "x-api-key"])
+def test_hooks_see_the_agents_headers_but_never_its_secret(auth):
+    see = SeeHeaders()
+    secrets = []
+
+    async def fn(h):
+        h.server.interceptors = _interceptors(see)
+        slot, _trajectory = h.open("r1")
+        secrets.append(slot.secret)
+        key = {"authorization": f"Bearer {slot.secret}"} if auth == "bearer" else {"x-api-key": slot.secret}
+        headers = [*key.items(), ("user-agent", "agent/1.0"), ("x-trace", "a"), ("x-trace", "b")]
+        r = await h.http.post(slot.base_url + "/chat/completions", json=body("chat"), headers=headers)
+        assert r.status_code == 200
+        await h.assert_clean()
+
+    run(fn)
+    request_headers, response_headers = see.seen
+    assert response_headers is request_headers, "intercept_response gets the same call"
+    assert request_headers["user-agent"] == "agent/1.0"
+    assert request_headers["x-trace"] == "a, b", "repeated values joined in order"
+    assert request_headers["content-type"] == "application/json"
+    assert "authorization" not in request_headers and "x-api-key" not in request_headers
+    assert not any(secrets[0] in v for v in request_headers.values())
+    with pytest.raises(TypeError):
+        request_headers["x-trace"] = "c"  # read-only
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_reject_answers_with_the_protocols_error_body(kind):
     async def fn(h):

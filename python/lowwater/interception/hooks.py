@@ -72,12 +72,19 @@ class InterceptedCall:
             interceptor leaves is sent upstream and recorded as the turn.
         state: scratch space carried from ``intercept_request`` to
             ``intercept_response`` of the same call (per call, shared by plugins).
+        headers: the agent's request headers, read-only: names lower-case,
+            values decoded as Latin-1, a repeated header's values joined
+            with ``", "`` (RFC 9110 section 5.3).  ``authorization`` and
+            ``x-api-key`` are left out: they carry the rollout's secret.
+            Changing a header is not possible (the upstream gets the
+            plane's own headers and key).
     """
 
     rollout_id: str
     protocol: str
     body: dict[str, Any]
     state: dict[str, Any] = attrs.field(factory=dict)
+    headers: Mapping[str, str] = attrs.field(factory=lambda: MappingProxyType({}))
 
 
 @attrs.frozen

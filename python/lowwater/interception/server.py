@@ -57,7 +57,7 @@ from lowwater.interception.dataplane import Fail, read_record, rewrites_for, ser
 from lowwater.interception.hooks import InterceptedCall, InterceptedResponse, Interceptors
 from lowwater.interception.protocols import Completion, Protocol, builtin_protocols
 from lowwater.interception.slots import Slot, SlotRegistry, new_secret
-from lowwater.interception.upcalls import serve_upcalls
+from lowwater.interception.upcalls import header_map, serve_upcalls
 from lowwater.trajectory import Trajectory, Turn
 from lowwater.upstream.client import ModelClient
 
@@ -439,7 +439,7 @@ class InterceptionServer:
             return None
         payload = orjson.loads(upcall.body)  # the plane validated it: a JSON object
         rollout_id, request_id = upcall.rollout_id or "", upcall.request_id or ""
-        call = InterceptedCall(rollout_id, upcall.protocol or "", payload)
+        call = InterceptedCall(rollout_id, upcall.protocol or "", payload, headers=header_map(upcall.headers))
         await interceptors.request(call)
         try:
             forward = orjson.dumps(call.body)

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import logging
 import urllib.parse
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import orjson
@@ -36,7 +37,7 @@ from lowwater.interception.hooks import InterceptedCall, Interceptors, Reject
 
 log = logging.getLogger("lowwater.interception")
 
-__all__ = ["Intercept", "run_interceptors", "serve_upcall", "serve_upcalls"]
+__all__ = ["Intercept", "header_map", "run_interceptors", "serve_upcall", "serve_upcalls"]
 
 #: The intercept callback: the body to forward (``None``: unchanged), or
 #: :class:`Reject` raised.
@@ -206,6 +207,18 @@ async def _run_app(plane: DataPlane, upcall: Upcall, app: App | None) -> tuple[i
     return int(start["status"]), headers, b"".join(chunks)
 
 
+def header_map(pairs: Sequence[tuple[bytes, bytes]]) -> Mapping[str, str]:
+    """A read-only ``{name: value}`` of ``(name, value)`` byte pairs: names
+    as sent (the plane lower-cases them), values decoded as Latin-1 (HTTP's
+    historical charset: never fails), a repeated name's values joined with
+    ``", "`` in order (RFC 9110 section 5.3)."""
+    out: dict[str, str] = {}
+    for name, value in pairs:
+        k, v = name.decode("latin-1"), value.decode("latin-1")
+        out[k] = f"{out[k]}, {v}" if k in out else v
+    return MappingProxyType(out)
+
+
 def run_interceptors(interceptors: Interceptors) -> Intercept:
     """The intercept callback running the plugins' ``intercept_request`` hooks
     (:meth:`Interceptors.request`) on the call's parsed body: the body they
@@ -217,7 +230,9 @@ def run_interceptors(interceptors: Interceptors) -> Intercept:
         payload = orjson.loads(upcall.body)
         if not isinstance(payload, dict):
             return None  # the plane validated it: a protocol without a body object
-        call = InterceptedCall(upcall.rollout_id or "", upcall.protocol or "", payload)
+        call = InterceptedCall(
+            upcall.rollout_id or "", upcall.protocol or "", payload, headers=header_map(upcall.headers)
+        )
         await interceptors.request(call)
         return orjson.dumps(call.body)
 

@@ -189,6 +189,21 @@ pub(crate) fn authenticate(table: &RolloutTable, headers: &HeaderMap) -> Result<
     found.ok_or(if any { "unknown API key" } else { "missing API key (Authorization: Bearer or x-api-key)" })
 }
 
+/// Headers an intercept hook never sees: the rollout's secret (a plugin has
+/// no use for it, and a logging one would write it out).
+const SECRET_HEADERS: [&str; 2] = ["authorization", "x-api-key"];
+
+/// The request's headers for an intercept upcall, as sent (names
+/// lower-case, repeated names repeated), without [`SECRET_HEADERS`]; copies,
+/// so the call does not pin hyper's read buffer.
+pub(crate) fn hook_headers(headers: &HeaderMap) -> Vec<(Bytes, Bytes)> {
+    headers
+        .iter()
+        .filter(|(k, _)| !SECRET_HEADERS.contains(&k.as_str()))
+        .map(|(k, v)| (Bytes::copy_from_slice(k.as_str().as_bytes()), Bytes::copy_from_slice(v.as_bytes())))
+        .collect()
+}
+
 fn forwarded(headers: &HeaderMap) -> Result<HeaderMap, String> {
     let mut out = HeaderMap::new();
     for name in FORWARD_HEADERS {
@@ -250,6 +265,8 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
             return closing(error(spec.flavour, 400, &why));
         }
     };
+    // Only a call some intercept hook will see pays for a copy of its headers.
+    let hook_headers = if sh.upcalls.intercepts(pid) { hook_headers(req.headers()) } else { Vec::new() };
     let declared = content_length(req.headers());
     let body = match read_limited(req.into_body(), declared, sh.max_body_bytes, sh.body_read_timeout).await {
         Ok(b) => b,
@@ -290,7 +307,8 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
     let (body, parsed) = if sh.upcalls.intercepts(pid) {
         // A hook's body is rewritten like the agent's: keep its spans too.
         let reparse = |b: &[u8]| if rewriting { spec.parse_keeping_spans(b) } else { spec.parse(b) };
-        match crate::upcall::intercept(&sh, &rollout, &spec, &request_id, body, parsed, reparse).await {
+        let call = crate::upcall::Intercepted { request_id: &request_id, headers: hook_headers, body };
+        match crate::upcall::intercept(&sh, &rollout, &spec, call, parsed, reparse).await {
             Ok(forward) => forward,
             Err(response) => return response,
         }

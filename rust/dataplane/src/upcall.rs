@@ -238,8 +238,8 @@ mod plane_side {
         pub method: String,
         /// The request's path with its query, as sent.
         pub path: String,
-        /// The request's headers as sent (names lower-case); empty for an
-        /// intercepted call.
+        /// The request's headers as sent (names lower-case); an intercepted
+        /// call's without `authorization` and `x-api-key` (the rollout's secret).
         pub headers: Vec<(Bytes, Bytes)>,
         /// The request's body (an intercepted call's validated JSON).
         pub body: Bytes,
@@ -537,15 +537,25 @@ mod plane_side {
         error(flavour, 503, "the data plane is closing")
     }
 
-    /// An intercepted call: hand its body to the control plane, then the
+    /// What an intercept upcall carries of the call.
+    pub(crate) struct Intercepted<'a> {
+        /// The call's id (its record's `request_id`).
+        pub(crate) request_id: &'a Arc<str>,
+        /// Its headers, without the secret ([`crate::server::hook_headers`]).
+        pub(crate) headers: Vec<(Bytes, Bytes)>,
+        /// Its validated body.
+        pub(crate) body: Bytes,
+    }
+
+    /// An intercepted call: hand its headers (without the secret) and body
+    /// to the control plane, then the
     /// body to forward with its parse (`reparse`, the handler's own parse, of
     /// a changed body), or the response that ends the call.
     pub(crate) async fn intercept(
         sh: &Shared,
         rollout: &Arc<Rollout>,
         spec: &ProtocolSpec,
-        request_id: &Arc<str>,
-        body: Bytes,
+        call: Intercepted<'_>,
         parsed: ParsedRequest,
         reparse: impl Fn(&[u8]) -> Result<ParsedRequest, BadRequest>,
     ) -> Result<(Bytes, ParsedRequest), Response<ResBody>> {
@@ -553,13 +563,14 @@ mod plane_side {
             id: 0,
             kind: UpcallKind::Intercept,
             rollout_id: Some(Arc::clone(&rollout.id)),
-            request_id: Some(Arc::clone(request_id)),
+            request_id: Some(Arc::clone(call.request_id)),
             protocol: Some(spec.name.clone()),
             method: "POST".into(),
             path: spec.path.clone(),
-            headers: Vec::new(),
-            body: body.clone(),
+            headers: call.headers,
+            body: call.body.clone(),
         };
+        let body = call.body;
         let refused = || sh.counters.refused.fetch_add(1, Ordering::Relaxed);
         match sh.upcalls.ask(Some(rollout), upcall).await {
             Answer::Resume(None) => Ok((body, parsed)),

@@ -198,6 +198,30 @@ fn a_resumed_call_forwards_the_agents_bytes_or_the_hooks_and_records_what_was_se
 }
 
 #[test]
+fn an_intercept_upcall_carries_the_agents_headers_but_not_its_secret() {
+    let h = harness(|c| c.intercept = Intercept::All);
+    h.plane.register("r", "s").unwrap();
+    let mut req = post(h.addr(), CHAT, "s", chat("m", &["hi"]));
+    let headers = req.headers_mut();
+    headers.insert("x-api-key", HeaderValue::from_static("s"));
+    headers.insert("user-agent", HeaderValue::from_static("OpenAI/Python 2.8.1"));
+    headers.append("x-trace", HeaderValue::from_static("a"));
+    headers.append("x-trace", HeaderValue::from_static("b"));
+    let call = h.send(req);
+    let up = h.one_upcall();
+    let names: Vec<&[u8]> = up.headers.iter().map(|(k, _)| &k[..]).collect();
+    assert!(!names.contains(&&b"authorization"[..]) && !names.contains(&&b"x-api-key"[..]), "{names:?}");
+    let get = |name: &[u8]| -> Vec<&[u8]> {
+        up.headers.iter().filter(|(k, _)| &k[..] == name).map(|(_, v)| &v[..]).collect()
+    };
+    assert_eq!(get(b"user-agent"), [&b"OpenAI/Python 2.8.1"[..]]);
+    assert_eq!(get(b"x-trace"), [&b"a"[..], &b"b"[..]], "repeated headers stay repeated, in order");
+    assert_eq!(get(b"content-type"), [&b"application/json"[..]]);
+    assert_eq!(h.plane.upcalls().resume(up.id, None), Ok(true));
+    assert_eq!(h.join(call).0, 200);
+}
+
+#[test]
 fn a_broken_rewrite_is_a_400_naming_it_and_nothing_is_recorded() {
     let h = harness(|c| c.intercept = Intercept::All);
     h.plane.register("r", "s").unwrap();
