@@ -226,6 +226,10 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for BufferAlloc<A> {
             // SAFETY: neither side is the pool's: the caller's contract.
             return unsafe { self.inner.realloc(p, layout, new_size) };
         }
+        if pooled(layout) && pooled(new_layout) && lock().slot_of(p as usize).is_some() {
+            // A slot is 8 KiB whatever size was asked: it already fits.
+            return p;
+        }
         // SAFETY: as alloc and dealloc; the copy is within both blocks.
         unsafe {
             let q = self.alloc(new_layout);

@@ -50,6 +50,20 @@ fn hypers_buffer_size_comes_from_the_pool_and_goes_back() {
 }
 
 #[test]
+fn a_buffer_grown_within_the_size_class_stays_in_its_slot() {
+    let _s = serial();
+    let mut b = buffer(5000);
+    b.extend((0..5000).map(|i| (i % 13) as u8));
+    let at = b.as_ptr();
+    b.reserve_exact(SLOT_BYTES - b.len());
+    assert_eq!(b.as_ptr(), at, "no copy: the slot already holds 8 KiB");
+    assert!(b.iter().enumerate().all(|(i, &x)| x == (i % 13) as u8));
+    b.reserve_exact(SLOT_BYTES + 1 - b.len());
+    assert_ne!(b.as_ptr(), at, "out of the size class: moved to the inner allocator");
+    assert!(b.iter().enumerate().all(|(i, &x)| x == (i % 13) as u8));
+}
+
+#[test]
 fn other_sizes_are_the_inner_allocators() {
     let _s = serial();
     let (before, _) = pooled_slots();
