@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
 import sys
+from typing import Any
 
 import orjson
 import trio
@@ -62,14 +64,22 @@ class _Mallinfo2(ctypes.Structure):
     ]
 
 
+@functools.cache
+def _mallinfo2() -> Any:
+    """glibc's ``mallinfo2``, loaded once, or ``None`` without it."""
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c")).mallinfo2
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.restype = _Mallinfo2
+    return fn
+
+
 def heap_in_use_bytes() -> int:
     """Bytes glibc has handed out and not taken back (``uordblks + hblkhd``), or -1."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        mallinfo2 = libc.mallinfo2
-    except (OSError, AttributeError, TypeError):
+    mallinfo2 = _mallinfo2()
+    if mallinfo2 is None:
         return -1
-    mallinfo2.restype = _Mallinfo2
     info = mallinfo2()
     return int(info.uordblks + info.hblkhd)
 

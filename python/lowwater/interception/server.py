@@ -198,11 +198,13 @@ class InterceptionServer:
                     functools.partial(serve_upcalls, plane, app=self._mounted_app(), intercept=self._intercept)
                 )
                 self.url = "http://" + public_address(host, plane.address, advertise)
+                # One string shared by every slot of this run, not one per slot.
+                self._base_url = f"{self.url}/v1"
                 task_status.started(self.url)
                 await trio.sleep_forever()
         finally:
             self._last_stats = plane.stats()
-            self.url = ""
+            self.url = self._base_url = ""
             self.plane = None
             for rollout_id in list(self.slots):
                 if (slot := self.slots.get(rollout_id)) is not None:
@@ -298,10 +300,6 @@ class InterceptionServer:
         client = upstream or self.upstream
         if client is None:
             raise RuntimeError("no upstream ModelClient: give one to InterceptionServer() or register()")
-        # One base URL string for every slot of this run, not one per slot.
-        base_url = f"{self.url}/v1"
-        if base_url != self._base_url:
-            self._base_url = base_url
         slot = Slot(trajectory.rollout_id, self._base_url, new_secret(), trajectory, client)
         self.slots.add(slot)
         try:
