@@ -18,6 +18,12 @@
 //! an index stack beside the chunks), so an untouched buffer costs no
 //! resident page, and a freed slot is given back at once with
 //! `madvise(MADV_DONTNEED)`: a burst's buffers do not wait for `malloc_trim`.
+//! That costs a call about three `madvise`s (its connections' read buffers
+//! cycle) and the page faults of reusing the slots.  Keeping the last 32
+//! freed slots resident for reuse saved ~0.03 ms of added latency, and
+//! cost 4 KB more per held call in the 16,384-call burst (12.0 against
+//! 8.0 KB): a warm slot has a dirty page, and the buffer it goes to next
+//! is often one a held call never touches.  So every slot goes back.
 //! Every other allocation goes to the inner allocator unchanged.  When the
 //! pool cannot grow (its [`MAX_CHUNKS`] chunks in use, or `mmap` refused, as
 //! under an `RLIMIT_AS` cap) the buffer comes from the inner allocator too.
