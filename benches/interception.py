@@ -10,13 +10,18 @@ mode) that holds every request until released, with a proxy and a plane in
 front of it.  ``--servers`` picks the series beside direct (default both);
 ``--previous CHECKOUT`` adds a third, the ``lowwater proxy`` of a commit
 before the data plane (the Python server on the call path), for the
-side-by-side.  The load generator (this process) is a minimal raw-socket
+side-by-side.  ``--forwarder`` adds a minimal hyper forwarder
+(``rust/dataplane/examples/forwarder.rs``, built with cargo) to the latency
+phase: the cost of an extra loopback hop on this host, on the plane's own
+HTTP stack, with none of lowwater's work.  The load generator (this process) is a minimal raw-socket
 HTTP/1.1 client on Trio, so the figures measure the servers, not a heavy
 client; it sends non-streamed chat completions.
 
 * **Added latency** at concurrency 1: sequential calls on one keep-alive
   connection, direct and through the proxy, interleaved in rounds; p50 and
-  p99 of each, and the difference.
+  p99 of each, and the difference.  With ``--forwarder`` also the
+  forwarder's, and the plane's p50 beyond it (what lowwater's work per call
+  adds over the hop).
 * **Throughput** at concurrency ``--concurrency`` (one rollout and one
   connection per worker): turns/s direct and through the proxy,
   interleaved rounds, medians, and their ratio.
@@ -41,7 +46,8 @@ client; it sends non-streamed chat completions.
 Usage: ``python benches/interception.py [--quick] [--latency-calls 2000]
 [--concurrency 256] [--calls-per-worker 20] [--rounds 2] [--rollouts 16384]
 [--phases latency,throughput,hold,interceptor] [--servers proxy,plane]
-[--plane-env NAME=VALUE] [--plane-no-trim] [--previous CHECKOUT]``.
+[--plane-env NAME=VALUE] [--plane-no-trim] [--previous CHECKOUT]
+[--forwarder]``.
 The last stdout line is the JSON object benches/README.md#output describes.
 """
 
@@ -749,6 +755,39 @@ def start(argv: list[str], *, url_on: str, env: dict | None = None) -> tuple[sub
     return proc, words[0].rstrip(";")
 
 
+def build_forwarder() -> str:
+    """Build ``rust/dataplane/examples/forwarder.rs`` (release) and return its executable's path.
+
+    Raises:
+        RuntimeError: cargo failed or named no executable.
+    """
+    root = Path(__file__).resolve().parent.parent
+    progress("building the forwarder (cargo build --release --example forwarder)")
+    built = subprocess.run(
+        [
+            "cargo",
+            "build",
+            "--release",
+            "--quiet",
+            "-p",
+            "lowwater-dataplane",
+            "--no-default-features",
+            "--example",
+            "forwarder",
+            "--message-format=json",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+    for line in built.stdout.splitlines():
+        message = orjson.loads(line)
+        if message.get("reason") == "compiler-artifact" and message.get("executable"):
+            if message["target"]["name"] == "forwarder" and built.returncode == 0:
+                return str(message["executable"])
+    raise RuntimeError(f"building the forwarder failed (exit {built.returncode}): {built.stderr[-2000:]}")
+
+
 def start_proxy(
     upstream: str,
     out_dir: str,
@@ -834,6 +873,12 @@ def main() -> None:
         help="a checkout of a commit before the data plane (e.g. bfe7b28, the Python server on the call path) "
         "with its extension built into CHECKOUT/python/lowwater/: adds its proxy as the `previous` series",
     )
+    p.add_argument(
+        "--forwarder",
+        action="store_true",
+        help="add a minimal hyper forwarder (rust/dataplane/examples/forwarder.rs, built with cargo) "
+        "to the latency phase as the `forwarder` series: an extra hop's floor on this host",
+    )
     p.add_argument("--_gate-child", dest="gate_child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     phases = set(a.phases.split(","))
@@ -854,6 +899,10 @@ def main() -> None:
         start_proxy(model_url + "/v1", out_dir, a.pythonmalloc, previous=a.previous) if a.previous else (None, "")
     )
     plane = PlaneChild(model_url + "/v1", plane_env, not a.plane_no_trim) if "plane" in servers else None
+    # The forwarder serves the model server's own paths (/v1/...): its origin.
+    forwarder, forwarder_url = (
+        start([build_forwarder(), model_url], url_on="stdout") if a.forwarder and "latency" in phases else (None, "")
+    )
     gate, gate_url = (
         start([sys.executable, __file__, "--_gate-child"], url_on="stdout") if "hold" in phases else (None, "")
     )
@@ -925,6 +974,8 @@ def main() -> None:
                 sides["plane"] = (plane.url, plane)
             if previous is not None:
                 sides["previous"] = (previous_url, ProxyRollouts(previous_url))
+            if forwarder is not None:
+                sides["forwarder"] = (forwarder_url, None)
             q = await latency_percentiles(sides, a.rounds, a.latency_calls)
             results.update({"direct_p50_ms": q["direct"][49], "direct_p99_ms": q["direct"][98]})
             if "proxy" in q:
@@ -936,7 +987,7 @@ def main() -> None:
                         "added_p99_ms": q["proxy"][98] - q["direct"][98],
                     }
                 )
-            for side in ("plane", "previous"):
+            for side in ("plane", "previous", "forwarder"):
                 if side in q:
                     results.update(
                         {
@@ -946,6 +997,9 @@ def main() -> None:
                             f"{side}_added_latency_p99_ms": q[side][98] - q["direct"][98],
                         }
                     )
+            if "plane" in q and "forwarder" in q:
+                # The hop's cost taken out: lowwater's own work per call.
+                results["plane_beyond_forwarder_p50_ms"] = q["plane"][49] - q["forwarder"][49]
 
         async def throughput_phase() -> None:
             progress(
@@ -993,7 +1047,7 @@ def main() -> None:
         for child in (gated_plane, plane):
             if child is not None:
                 child.stop()
-        for proc in (hooked, gated_previous, gated, gate, previous, proxy, model):
+        for proc in (forwarder, hooked, gated_previous, gated, gate, previous, proxy, model):
             if proc is not None:
                 stop(proc)
     params = params_of(
