@@ -29,11 +29,21 @@
 //! under an `RLIMIT_AS` cap) the buffer comes from the inner allocator too.
 //!
 //! The pool's state is one lock taken for a push or a pop (a chunk's `mmap`
-//! when it grows); the `madvise` runs outside it.
+//! when it grows); the `madvise` runs outside it.  The lock is a spin lock
+//! of the pool's own, made safe across `fork()` as glibc's malloc is: a
+//! `pthread_atfork` handler takes it before the fork and both processes
+//! release it after.  With a `std::sync::Mutex` a fork while another thread
+//! held it (a tokio worker freeing a buffer) left the child's copy locked
+//! for good, and the child's first buffer of this size hung: Python's
+//! `os.fork()` and multiprocessing's default start method on Linux fork a
+//! trainer that may hold a live data plane (tests/bufalloc.rs forks while
+//! three threads churn buffers).
 
 use std::alloc::{GlobalAlloc, Layout};
+use std::cell::UnsafeCell;
+use std::ops::{Deref, DerefMut};
 use std::ptr;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// The slot size: hyper's `INIT_BUFFER_SIZE`.
 pub const SLOT_BYTES: usize = 8192;
@@ -83,14 +93,30 @@ struct Pool {
     used: usize,
 }
 
-static POOL: Mutex<Pool> = Mutex::new(Pool {
-    bases: [0; MAX_CHUNKS],
-    sorted: [(0, 0); MAX_CHUNKS],
-    chunks: 0,
-    free: [0; MAX_SLOTS],
-    top: 0,
-    used: 0,
-});
+/// The pool and its lock (see the module docs for why not a `Mutex`).
+struct Locked {
+    held: AtomicBool,
+    pool: UnsafeCell<Pool>,
+}
+
+// SAFETY: `pool` is only reached through a `Guard`, which exists only while
+// `held` is true, set by the one thread that swapped it from false.
+unsafe impl Sync for Locked {}
+
+static POOL: Locked = Locked {
+    held: AtomicBool::new(false),
+    pool: UnsafeCell::new(Pool {
+        bases: [0; MAX_CHUNKS],
+        sorted: [(0, 0); MAX_CHUNKS],
+        chunks: 0,
+        free: [0; MAX_SLOTS],
+        top: 0,
+        used: 0,
+    }),
+};
+
+/// Whether the fork handlers are installed (on the pool's first chunk).
+static AT_FORK: AtomicBool = AtomicBool::new(false);
 
 fn pooled(layout: Layout) -> bool {
     layout.size() > MIN_EXCLUSIVE && layout.size() <= SLOT_BYTES && layout.align() <= 4096
@@ -137,6 +163,7 @@ impl Pool {
         if base == libc::MAP_FAILED {
             return false;
         }
+        install_fork_handlers();
         let (base, i) = (base as usize, self.chunks);
         self.bases[i] = base;
         let at = self.sorted[..i].partition_point(|&(b, _)| b < base);
@@ -160,9 +187,65 @@ impl Pool {
     }
 }
 
-fn lock() -> std::sync::MutexGuard<'static, Pool> {
-    // Nothing panics while holding it; a poisoned lock's state is still whole.
-    POOL.lock().unwrap_or_else(|e| e.into_inner())
+/// The pool, locked until dropped.
+struct Guard(());
+
+impl Deref for Guard {
+    type Target = Pool;
+    fn deref(&self) -> &Pool {
+        // SAFETY: a Guard exists only while this thread holds the lock.
+        unsafe { &*POOL.pool.get() }
+    }
+}
+
+impl DerefMut for Guard {
+    fn deref_mut(&mut self) -> &mut Pool {
+        // SAFETY: as above; the lock makes this the only reference.
+        unsafe { &mut *POOL.pool.get() }
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        POOL.held.store(false, Ordering::Release);
+    }
+}
+
+/// Take the pool's lock.  Held for a push, a pop or a lookup (a chunk's
+/// `mmap` at most), so a waiter spins briefly, then yields its core.
+fn lock() -> Guard {
+    let mut spins = 0u32;
+    while POOL.held.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+        if spins < 100 {
+            spins += 1;
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    }
+    Guard(())
+}
+
+/// Before `fork()`: take the lock, so no other thread is inside the pool
+/// when the child's copy of it is made.
+extern "C" fn before_fork() {
+    std::mem::forget(lock());
+}
+
+/// After `fork()`, in the parent and in the child (its only thread): let go.
+extern "C" fn after_fork() {
+    POOL.held.store(false, Ordering::Release);
+}
+
+/// Install the fork handlers once.  Called with the lock held: glibc's
+/// `pthread_atfork` allocates a handful of bytes, never of the pool's size.
+fn install_fork_handlers() {
+    if !AT_FORK.swap(true, Ordering::Relaxed) {
+        // SAFETY: the handlers are plain functions that touch only POOL's lock.
+        unsafe {
+            libc::pthread_atfork(Some(before_fork), Some(after_fork), Some(after_fork));
+        }
+    }
 }
 
 /// Slots handed out now and chunks mapped (for tests and `examples/held_alloc.rs`).

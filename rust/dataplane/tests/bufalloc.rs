@@ -119,6 +119,69 @@ fn threads_share_the_pool() {
     assert_eq!(pooled_slots().0, before);
 }
 
+/// Forks made while three threads allocate and free pool buffers; each child
+/// takes one buffer and exits.  With the pool behind a `std::sync::Mutex`
+/// a fork landing while another thread held it left the child's copy locked,
+/// and the child hung on its first buffer.
+#[test]
+fn a_child_forked_while_threads_use_the_pool_can_use_it() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
+
+    const FORKS: usize = 200;
+    let _s = serial();
+    let stop = AtomicBool::new(false);
+    let hung = std::thread::scope(|s| {
+        for _ in 0..3 {
+            s.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    let b = buffer(SLOT_BYTES);
+                    std::hint::black_box(&b);
+                }
+            });
+        }
+        let mut hung = None;
+        for i in 0..FORKS {
+            // SAFETY: the child runs only the allocator and _exit.
+            let pid = unsafe { libc::fork() };
+            assert!(pid >= 0, "fork failed");
+            if pid == 0 {
+                let b = buffer(SLOT_BYTES);
+                std::hint::black_box(&b);
+                drop(b);
+                // SAFETY: ends the child at once, running no destructor of the parent's.
+                unsafe { libc::_exit(0) };
+            }
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let mut status = 0;
+            loop {
+                // SAFETY: waiting on our own child.
+                let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+                if r == pid {
+                    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "child {i}: status {status}");
+                    break;
+                }
+                if Instant::now() > deadline {
+                    // SAFETY: our own child, hung; reaped right after.
+                    unsafe {
+                        libc::kill(pid, libc::SIGKILL);
+                        libc::waitpid(pid, &mut status, 0);
+                    }
+                    hung = Some(i);
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if hung.is_some() {
+                break;
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        hung
+    });
+    assert_eq!(hung, None, "a child forked while the pool was locked hung on its first buffer");
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Alloc(usize),
