@@ -58,6 +58,7 @@ import functools
 import os
 import resource
 import secrets
+import shutil
 import statistics
 import subprocess
 import sys
@@ -759,10 +760,12 @@ def build_forwarder() -> str:
     """Build ``rust/dataplane/examples/forwarder.rs`` (release) and return its executable's path.
 
     Raises:
-        RuntimeError: cargo failed or named no executable.
+        RuntimeError: cargo is missing, failed, or named no executable.
     """
     root = Path(__file__).resolve().parent.parent
     progress("building the forwarder (cargo build --release --example forwarder)")
+    if shutil.which("cargo") is None:
+        raise RuntimeError("--forwarder needs cargo (the Rust toolchain) on PATH")
     built = subprocess.run(
         [
             "cargo",

@@ -27,10 +27,10 @@ UNIT_SUFFIXES = (
 )
 
 
-def run_quick(name: str) -> dict:
-    """Run ``benches/<name>.py --quick`` (at most 600 s); its last stdout line, parsed."""
+def run_quick(name: str, *args: str) -> dict:
+    """Run ``benches/<name>.py --quick [args]`` (at most 600 s); its last stdout line, parsed."""
     out = subprocess.run(
-        [sys.executable, str(BENCHES / f"{name}.py"), "--quick"],
+        [sys.executable, str(BENCHES / f"{name}.py"), "--quick", *args],
         capture_output=True,
         text=True,
         timeout=600,

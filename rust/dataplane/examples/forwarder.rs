@@ -62,7 +62,11 @@ async fn serve(listener: tokio::net::TcpListener, upstream: String) {
     let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new()).build(connector);
     let shared = Arc::new((client, upstream));
     loop {
-        let Ok((stream, _)) = listener.accept().await else { continue };
+        let Ok((stream, _)) = listener.accept().await else {
+            // Out of fds, or a connection reset before accept: do not spin on it.
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            continue;
+        };
         let _ = stream.set_nodelay(true);
         let shared = Arc::clone(&shared);
         tokio::spawn(async move {
