@@ -783,12 +783,14 @@ def build_forwarder() -> str:
         capture_output=True,
         text=True,
     )
+    if built.returncode != 0:
+        raise RuntimeError(f"building the forwarder failed (exit {built.returncode}): {built.stderr[-2000:]}")
     for line in built.stdout.splitlines():
         message = orjson.loads(line)
-        if message.get("reason") == "compiler-artifact" and message.get("executable"):
-            if message["target"]["name"] == "forwarder" and built.returncode == 0:
+        if message.get("reason") == "compiler-artifact" and message["target"]["name"] == "forwarder":
+            if message.get("executable"):
                 return str(message["executable"])
-    raise RuntimeError(f"building the forwarder failed (exit {built.returncode}): {built.stderr[-2000:]}")
+    raise RuntimeError("cargo built the forwarder but named no executable")
 
 
 def start_proxy(
@@ -888,6 +890,8 @@ def main() -> None:
     servers = set(a.servers.split(","))
     if a.gate_child:
         return gate_child()
+    if a.forwarder and "latency" not in phases:
+        p.error("--forwarder adds a series to the latency phase: include latency in --phases")
     if a.quick:
         a.latency_calls, a.concurrency, a.calls_per_worker, a.rounds, a.rollouts = 100, 32, 4, 1, 256
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -903,9 +907,7 @@ def main() -> None:
     )
     plane = PlaneChild(model_url + "/v1", plane_env, not a.plane_no_trim) if "plane" in servers else None
     # The forwarder serves the model server's own paths (/v1/...): its origin.
-    forwarder, forwarder_url = (
-        start([build_forwarder(), model_url], url_on="stdout") if a.forwarder and "latency" in phases else (None, "")
-    )
+    forwarder, forwarder_url = start([build_forwarder(), model_url], url_on="stdout") if a.forwarder else (None, "")
     gate, gate_url = (
         start([sys.executable, __file__, "--_gate-child"], url_on="stdout") if "hold" in phases else (None, "")
     )

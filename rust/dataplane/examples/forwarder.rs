@@ -47,19 +47,23 @@ fn main() {
     });
 }
 
+/// The pooled upstream client, as the plane's (`src/upstream.rs`) without TLS.
+#[cfg(not(loom))]
+type UpstreamClient = hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    http_body_util::Full<bytes::Bytes>,
+>;
+
 #[cfg(not(loom))]
 async fn serve(listener: tokio::net::TcpListener, upstream: String) {
     use std::sync::Arc;
 
-    use bytes::Bytes;
-    use http_body_util::Full;
     use hyper_util::client::legacy::connect::HttpConnector;
-    use hyper_util::client::legacy::Client;
     use hyper_util::rt::{TokioExecutor, TokioIo};
 
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
-    let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new()).build(connector);
+    let client: UpstreamClient = hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(connector);
     let shared = Arc::new((client, upstream));
     loop {
         let Ok((stream, _)) = listener.accept().await else {
@@ -82,10 +86,7 @@ async fn serve(listener: tokio::net::TcpListener, upstream: String) {
 /// One call: the body read whole, POSTed upstream, the answer read whole.
 #[cfg(not(loom))]
 async fn forward(
-    client: &hyper_util::client::legacy::Client<
-        hyper_util::client::legacy::connect::HttpConnector,
-        http_body_util::Full<bytes::Bytes>,
-    >,
+    client: &UpstreamClient,
     upstream: &str,
     req: hyper::Request<hyper::body::Incoming>,
 ) -> hyper::Response<http_body_util::Full<bytes::Bytes>> {
