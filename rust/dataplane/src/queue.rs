@@ -11,6 +11,12 @@
 //! The wakeup fd is an eventfd on Linux (a pipe elsewhere).  It is written
 //! only when a record lands on an empty queue, and `drain` clears it before
 //! taking the records, so no wakeup is lost and a burst costs one write.
+//!
+//! Neither table keeps a burst's capacity: `drain` hands the queue's own
+//! buffer to the caller, and the ack map gives back its table once it is
+//! mostly empty.  Kept, they pinned up to a few MiB of a long-lived plane
+//! after a burst of held calls, each answered at once when the gate opened
+//! (16,384 records queued; tests below).
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -159,8 +165,10 @@ impl CompletionQueue {
     /// Every waiting record, oldest first (clears the wakeup fd first).
     pub fn drain(&self) -> Vec<TurnRecord> {
         self.wakeup.clear();
-        let mut q = self.records.lock().unwrap_or_else(PoisonError::into_inner);
-        q.drain(..).collect()
+        // The queue's buffer leaves with the records (no copy, no capacity
+        // kept): the next push starts an empty queue.
+        let taken = std::mem::take(&mut *self.records.lock().unwrap_or_else(PoisonError::into_inner));
+        Vec::from(taken)
     }
 
     /// Release the held bytes of record `seq`; `false` if nothing waits on
@@ -176,7 +184,12 @@ impl CompletionQueue {
     }
 
     fn release(&self, seq: u64, verdict: Verdict) -> bool {
-        let sender = self.lock_acks().remove(&seq);
+        let sender = {
+            let mut acks = self.lock_acks();
+            let sender = acks.remove(&seq);
+            shrink(&mut acks);
+            sender
+        };
         match sender {
             Some(tx) => {
                 let _ = tx.send(verdict); // the call may have ended meanwhile
@@ -188,7 +201,12 @@ impl CompletionQueue {
 
     /// Release every held call (shutdown, or a control plane that stops acking).
     pub fn release_all(&self) -> usize {
-        let held: Vec<_> = self.lock_acks().drain().collect();
+        let held: Vec<_> = {
+            let mut acks = self.lock_acks();
+            let held = acks.drain().collect();
+            shrink(&mut acks);
+            held
+        };
         let n = held.len();
         drop(held);
         n
@@ -213,6 +231,20 @@ impl CompletionQueue {
         &self,
     ) -> std::sync::MutexGuard<'_, HashMap<u64, oneshot::Sender<Verdict>, foldhash::fast::RandomState>> {
         self.acks.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Ack maps at most this many buckets big keep their table whatever they hold.
+const KEEP_ACK_BUCKETS: usize = 1024;
+
+/// Give back most of a big ack map's table once it is a sixteenth full: a
+/// burst's table (32,768 buckets after 16,384 held calls) is not kept for
+/// the few calls after it.  Each shrink rehashes at most a sixteenth of the
+/// capacity, after at least that many removals since the table grew.
+fn shrink<V, S: std::hash::BuildHasher>(map: &mut HashMap<u64, V, S>) {
+    let capacity = map.capacity();
+    if capacity > KEEP_ACK_BUCKETS && map.len() * 16 < capacity {
+        map.shrink_to(map.len() * 4);
     }
 }
 
@@ -343,5 +375,52 @@ mod tests {
         assert!(!q.ack(seq));
         assert!(rx.try_recv().is_ok());
         assert_eq!(q.awaiting_ack(), 0);
+    }
+
+    fn ack_capacity(q: &CompletionQueue) -> usize {
+        q.lock_acks().capacity()
+    }
+
+    #[test]
+    fn a_burst_leaves_no_capacity_behind() {
+        let q = CompletionQueue::new().unwrap();
+        let mut held = Vec::new();
+        for _ in 0..16_384 {
+            let (tx, rx) = oneshot::channel();
+            let r = record(&q);
+            held.push((r.seq, rx));
+            q.push(r, Some(tx));
+        }
+        assert!(ack_capacity(&q) >= 16_384);
+        let drained = q.drain();
+        assert_eq!(drained.len(), 16_384);
+        assert_eq!(q.records.lock().unwrap().capacity(), 0, "the queue's buffer left with the records");
+        // A few calls stay held past the burst: their entries stay, the table shrinks.
+        for (seq, _) in &held[..16_380] {
+            assert!(q.ack(*seq));
+        }
+        assert_eq!(q.awaiting_ack(), 4);
+        assert!(ack_capacity(&q) <= KEEP_ACK_BUCKETS, "{} buckets kept for 4 entries", ack_capacity(&q));
+        for (seq, mut rx) in held.drain(..).skip(16_380) {
+            assert!(rx.try_recv().is_err(), "still held");
+            assert!(q.ack(seq));
+            assert!(rx.try_recv().is_ok());
+        }
+        assert!(ack_capacity(&q) <= KEEP_ACK_BUCKETS);
+    }
+
+    #[test]
+    fn release_all_leaves_no_capacity_behind() {
+        let q = CompletionQueue::new().unwrap();
+        let receivers: Vec<_> = (0..4096)
+            .map(|_| {
+                let (tx, rx) = oneshot::channel();
+                q.push(record(&q), Some(tx));
+                rx
+            })
+            .collect();
+        assert_eq!(q.release_all(), 4096);
+        assert_eq!(ack_capacity(&q), 0);
+        drop(receivers);
     }
 }

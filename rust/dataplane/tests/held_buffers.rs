@@ -149,9 +149,10 @@ impl Rig {
 }
 
 /// Slots that may stay handed out after a round, against the 2 per call it
-/// held: the pool serves every allocation of its size class, and a queue
-/// the round grew past 4 KiB (the completion queue, the ack map) keeps its
-/// capacity (seen: one slot, now and then).  A connection's buffers kept
+/// held: the pool serves every allocation of its size class (4-8 KiB), not
+/// only the plane's buffers, so any structure of the process that grew into
+/// it may keep one (one slot was seen now and then while the completion
+/// queue kept its capacity; it no longer does).  A connection's buffers kept
 /// would be 2 per call, 128 here.
 const SLACK: usize = 4;
 
