@@ -7,6 +7,7 @@ intercept table is empty and no handler waits once the calls are done.
 from __future__ import annotations
 
 import base64
+import gzip
 
 import orjson
 import pytest
@@ -275,6 +276,36 @@ def test_routes_methods_and_body_limit():
         await h.assert_clean()
 
     run(fn, max_body_bytes=4096)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_compressed_body_is_415_naming_its_coding(kind):
+    async def fn(h):
+        slot, trajectory = h.open()
+        url = slot.base_url + PATHS[kind].removeprefix("/v1")
+        raw = gzip.compress(orjson.dumps(body(kind)))
+        for coding in ("gzip", "identity, gzip", "BR"):
+            r = await h.http.post(
+                url,
+                content=raw,
+                headers={"authorization": f"Bearer {slot.secret}", "content-encoding": coding},
+            )
+            assert r.status_code == 415, r.text
+            assert r.headers["accept-encoding"] == "identity"
+            named = coding.rpartition(",")[2].strip()
+            assert f"content-encoding {named} is not supported" in r.text
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        # identity is no coding at all: the call goes through.
+        plain = orjson.dumps(body(kind))
+        r = await h.http.post(
+            url, content=plain, headers={"authorization": f"Bearer {slot.secret}", "content-encoding": "identity"}
+        )
+        assert r.status_code == 200, r.text
+        assert len(trajectory.turns) == 1 and len(h.upstream.received) == 1
+        assert h.server.table.stats()["inserts"] == 1
+        await h.assert_clean()
+
+    run(fn)
 
 
 def test_oversize_streamed_body_gets_413_not_a_reset():

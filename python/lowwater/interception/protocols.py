@@ -214,6 +214,7 @@ _OPENAI_ERRORS = {
     409: "conflict_error",
     410: "conflict_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
 }
 _ANTHROPIC_ERRORS = {
@@ -221,6 +222,7 @@ _ANTHROPIC_ERRORS = {
     401: "authentication_error",
     404: "not_found_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     529: "overloaded_error",
 }

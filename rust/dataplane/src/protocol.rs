@@ -457,7 +457,7 @@ pub fn error_body(flavour: ErrorFlavour, status: u16, reason: &str) -> Vec<u8> {
     let value = match flavour {
         ErrorFlavour::Anthropic => {
             let kind = match status {
-                400 => "invalid_request_error",
+                400 | 415 => "invalid_request_error",
                 401 => "authentication_error",
                 404 => "not_found_error",
                 413 => "request_too_large",
@@ -469,7 +469,7 @@ pub fn error_body(flavour: ErrorFlavour, status: u16, reason: &str) -> Vec<u8> {
         }
         ErrorFlavour::OpenAi => {
             let kind = match status {
-                400 | 413 => "invalid_request_error",
+                400 | 413 | 415 => "invalid_request_error",
                 401 => "authentication_error",
                 404 => "not_found_error",
                 409 | 410 => "conflict_error",

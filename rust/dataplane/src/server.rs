@@ -16,7 +16,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::{Bytes, BytesMut};
-use http::header::{ALLOW, CACHE_CONTROL, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER};
+use http::header::{
+    ACCEPT_ENCODING, ALLOW, CACHE_CONTROL, CONNECTION, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER,
+};
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -220,6 +222,18 @@ fn forwarded(headers: &HeaderMap) -> Result<HeaderMap, String> {
     Ok(out)
 }
 
+/// The request body's content coding, unless it is none or `identity`.
+/// The plane reads, records and forwards the agent's JSON as sent; a
+/// compressed body was refused as "malformed JSON: invalid UTF-8 at byte 1",
+/// which sent the agent's author looking for a bug in their JSON.
+fn coding(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get_all(CONTENT_ENCODING)
+        .iter()
+        .flat_map(|v| String::from_utf8_lossy(v.as_bytes()).split(',').map(|c| c.trim().to_owned()).collect::<Vec<_>>())
+        .find(|c| !c.is_empty() && !c.eq_ignore_ascii_case("identity"))
+}
+
 fn content_length(headers: &HeaderMap) -> Option<u64> {
     headers.get(CONTENT_LENGTH)?.to_str().ok()?.trim().parse().ok()
 }
@@ -265,6 +279,14 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
             return closing(error(spec.flavour, 400, &why));
         }
     };
+    if let Some(coding) = coding(req.headers()) {
+        bump(&sh.counters.refused);
+        let why = format!("content-encoding {coding} is not supported: send the request body uncompressed");
+        // RFC 9110 15.5.16: a content coding the server cannot take is a 415, with what it accepts.
+        let mut r = closing(error(spec.flavour, 415, &why));
+        r.headers_mut().insert(ACCEPT_ENCODING, HeaderValue::from_static("identity"));
+        return r;
+    }
     // Only a call some intercept hook will see pays for a copy of its headers.
     let hook_headers = if sh.upcalls.intercepts(pid) { hook_headers(req.headers()) } else { Vec::new() };
     let declared = content_length(req.headers());
