@@ -30,9 +30,10 @@
 //!
 //! The pool's state is one lock taken for a push or a pop (a chunk's `mmap`
 //! when it grows); the `madvise` runs outside it.  The lock is a spin lock
-//! of the pool's own, made safe across `fork()` as glibc's malloc is: a
-//! `pthread_atfork` handler takes it before the fork and both processes
-//! release it after.  With a `std::sync::Mutex` a fork while another thread
+//! (the `spin` crate's, yielding its core while it waits; it allocates
+//! nothing, as an allocator's lock must not), made safe across `fork()` as
+//! glibc's malloc is: a `pthread_atfork` handler takes it before the fork
+//! and both processes release it after.  With a `std::sync::Mutex` a fork while another thread
 //! held it (a tokio worker freeing a buffer) left the child's copy locked
 //! for good, and the child's first buffer of this size hung: Python's
 //! `os.fork()` and multiprocessing's default start method on Linux fork a
@@ -40,10 +41,11 @@
 //! three threads churn buffers).
 
 use std::alloc::{GlobalAlloc, Layout};
-use std::cell::UnsafeCell;
-use std::ops::{Deref, DerefMut};
 use std::ptr;
 use std::sync::atomic::{AtomicBool, Ordering};
+
+use spin::mutex::SpinMutex;
+use spin::relax::Yield;
 
 /// The slot size: hyper's `INIT_BUFFER_SIZE`.
 pub const SLOT_BYTES: usize = 8192;
@@ -93,27 +95,17 @@ struct Pool {
     used: usize,
 }
 
-/// The pool and its lock (see the module docs for why not a `Mutex`).
-struct Locked {
-    held: AtomicBool,
-    pool: UnsafeCell<Pool>,
-}
-
-// SAFETY: `pool` is only reached through a `Guard`, which exists only while
-// `held` is true, set by the one thread that swapped it from false.
-unsafe impl Sync for Locked {}
-
-static POOL: Locked = Locked {
-    held: AtomicBool::new(false),
-    pool: UnsafeCell::new(Pool {
-        bases: [0; MAX_CHUNKS],
-        sorted: [(0, 0); MAX_CHUNKS],
-        chunks: 0,
-        free: [0; MAX_SLOTS],
-        top: 0,
-        used: 0,
-    }),
-};
+/// The pool behind its lock (see the module docs for why not a `Mutex`):
+/// held for a push, a pop or a lookup (a chunk's `mmap` at most), so a
+/// waiter yields its core until it is free.
+static POOL: SpinMutex<Pool, Yield> = SpinMutex::new(Pool {
+    bases: [0; MAX_CHUNKS],
+    sorted: [(0, 0); MAX_CHUNKS],
+    chunks: 0,
+    free: [0; MAX_SLOTS],
+    top: 0,
+    used: 0,
+});
 
 /// Whether the fork handlers are installed (on the pool's first chunk).
 static AT_FORK: AtomicBool = AtomicBool::new(false);
@@ -187,54 +179,17 @@ impl Pool {
     }
 }
 
-/// The pool, locked until dropped.
-struct Guard(());
-
-impl Deref for Guard {
-    type Target = Pool;
-    fn deref(&self) -> &Pool {
-        // SAFETY: a Guard exists only while this thread holds the lock.
-        unsafe { &*POOL.pool.get() }
-    }
-}
-
-impl DerefMut for Guard {
-    fn deref_mut(&mut self) -> &mut Pool {
-        // SAFETY: as above; the lock makes this the only reference.
-        unsafe { &mut *POOL.pool.get() }
-    }
-}
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        POOL.held.store(false, Ordering::Release);
-    }
-}
-
-/// Take the pool's lock.  Held for a push, a pop or a lookup (a chunk's
-/// `mmap` at most), so a waiter spins briefly, then yields its core.
-fn lock() -> Guard {
-    let mut spins = 0u32;
-    while POOL.held.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
-        if spins < 100 {
-            spins += 1;
-            std::hint::spin_loop();
-        } else {
-            std::thread::yield_now();
-        }
-    }
-    Guard(())
-}
-
 /// Before `fork()`: take the lock, so no other thread is inside the pool
 /// when the child's copy of it is made.
 extern "C" fn before_fork() {
-    std::mem::forget(lock());
+    std::mem::forget(POOL.lock());
 }
 
 /// After `fork()`, in the parent and in the child (its only thread): let go.
 extern "C" fn after_fork() {
-    POOL.held.store(false, Ordering::Release);
+    // SAFETY: `before_fork` took the lock in this thread (the child's only
+    // one) and forgot its guard; nothing else can hold it here.
+    unsafe { POOL.force_unlock() };
 }
 
 /// Install the fork handlers once.  Called with the lock held: glibc's
@@ -250,7 +205,7 @@ fn install_fork_handlers() {
 
 /// Slots handed out now and chunks mapped (for tests and `examples/held_alloc.rs`).
 pub fn pooled_slots() -> (usize, usize) {
-    let p = lock();
+    let p = POOL.lock();
     (p.used, p.chunks)
 }
 
@@ -263,7 +218,7 @@ fn release(slot: u32, p: *mut u8) {
     unsafe {
         libc::madvise(p.cast(), SLOT_BYTES, libc::MADV_DONTNEED);
     }
-    let mut pool = lock();
+    let mut pool = POOL.lock();
     let top = pool.top;
     pool.free[top] = slot;
     pool.top += 1;
@@ -276,7 +231,7 @@ fn release(slot: u32, p: *mut u8) {
 unsafe impl<A: GlobalAlloc> GlobalAlloc for BufferAlloc<A> {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         if pooled(layout) {
-            if let Some(p) = lock().pop() {
+            if let Some(p) = POOL.lock().pop() {
                 return p;
             }
         }
@@ -287,7 +242,7 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for BufferAlloc<A> {
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         if pooled(layout) {
             // A slot is zeros: fresh pages, or given back by MADV_DONTNEED.
-            if let Some(p) = lock().pop() {
+            if let Some(p) = POOL.lock().pop() {
                 return p;
             }
         }
@@ -297,7 +252,7 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for BufferAlloc<A> {
 
     unsafe fn dealloc(&self, p: *mut u8, layout: Layout) {
         if pooled(layout) {
-            let slot = lock().slot_of(p as usize);
+            let slot = POOL.lock().slot_of(p as usize);
             if let Some(slot) = slot {
                 release(slot, p);
                 return;
@@ -315,7 +270,7 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for BufferAlloc<A> {
             // SAFETY: neither side is the pool's: the caller's contract.
             return unsafe { self.inner.realloc(p, layout, new_size) };
         }
-        if pooled(layout) && pooled(new_layout) && lock().slot_of(p as usize).is_some() {
+        if pooled(layout) && pooled(new_layout) && POOL.lock().slot_of(p as usize).is_some() {
             // A slot is 8 KiB whatever size was asked: it already fits.
             return p;
         }

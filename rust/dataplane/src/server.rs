@@ -227,11 +227,11 @@ fn forwarded(headers: &HeaderMap) -> Result<HeaderMap, String> {
 /// compressed body was refused as "malformed JSON: invalid UTF-8 at byte 1",
 /// which sent the agent's author looking for a bug in their JSON.
 fn coding(headers: &HeaderMap) -> Option<String> {
-    headers
-        .get_all(CONTENT_ENCODING)
-        .iter()
-        .flat_map(|v| String::from_utf8_lossy(v.as_bytes()).split(',').map(|c| c.trim().to_owned()).collect::<Vec<_>>())
-        .find(|c| !c.is_empty() && !c.eq_ignore_ascii_case("identity"))
+    headers.get_all(CONTENT_ENCODING).iter().find_map(|v| {
+        let value = String::from_utf8_lossy(v.as_bytes());
+        let coded = value.split(',').map(str::trim).find(|c| !c.is_empty() && !c.eq_ignore_ascii_case("identity"));
+        coded.map(str::to_owned)
+    })
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {
