@@ -34,6 +34,8 @@ __all__ = [
     "DataPlane",
     "TurnRecord",
     "Upcall",
+    "error_body",
+    "error_event",
     "DTYPES",
 ]
 
@@ -379,6 +381,28 @@ class Upcall:
     def headers(self) -> list[tuple[bytes, bytes]]: ...
     @property
     def body(self) -> bytes: ...
+
+def error_body(flavour: str, status: int, reason: str) -> bytes:
+    """The data plane's JSON error body for ``status`` (UTF-8 JSON bytes):
+    ``flavour`` ``"openai"`` gives ``{"error": {"message", "type", "param",
+    "code"}}``, ``"anthropic"`` gives ``{"type": "error", "error": {"type",
+    "message"}}``; ``type`` is what the flavour's SDK maps ``status`` to
+    (400/413/415 ``invalid_request_error``, 401 ``authentication_error``,
+    ...; anything unlisted ``api_error``).
+
+    Raises:
+        ValueError: an unknown ``flavour``.
+        OverflowError: ``status`` outside 0-65535.
+    """
+
+def error_event(flavour: str, reason: str) -> bytes:
+    """The data plane's SSE error event (``event: error``, then the JSON data
+    the flavour's SDK raises on, then a blank line), as sent before it breaks
+    off a stream.
+
+    Raises:
+        ValueError: an unknown ``flavour``.
+    """
 
 @final
 class DataPlane:

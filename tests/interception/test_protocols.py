@@ -125,4 +125,54 @@ def test_error_shapes():
         "error": {"type": "request_too_large", "message": "big"},
     }
     assert AnthropicMessages().error_event("cut").startswith(b"event: error\ndata: ")
-    assert b'"error":{"message":"cut"' in OpenAIChat().error_event("cut")
+    head, data, blank = OpenAIChat().error_event("cut").split(b"\n", 2)
+    assert head == b"event: error" and blank == b"\n"
+    assert orjson.loads(data.removeprefix(b"data: ")) == {
+        "type": "error",
+        "error": {"message": "cut", "type": "api_error", "code": None},
+    }
+
+
+# The error type each SDK's docs give for a status; anything unlisted is api_error.
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    410: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 405, 408, 409, 410, 413, 415, 429, 500, 502, 503, 504, 529])
+def test_error_types_by_status(status):
+    openai = OpenAIChat().error_body(status, "why")
+    assert openai == {
+        "error": {"message": "why", "type": _OPENAI_TYPES.get(status, "api_error"), "param": None, "code": status}
+    }
+    anthropic = AnthropicMessages().error_body(status, "why")
+    assert anthropic == {
+        "type": "error",
+        "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": "why"},
+    }
+
+
+def test_an_unknown_error_flavour_is_a_value_error():
+    class Odd(OpenAIChat):
+        error_flavour = "grpc"
+
+    with pytest.raises(ValueError, match='unknown error flavour "grpc"'):
+        Odd().error_body(400, "x")
+    with pytest.raises(ValueError, match="unknown error flavour"):
+        Odd().error_event("x")

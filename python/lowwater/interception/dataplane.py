@@ -7,9 +7,8 @@ an agent never sees the end of an answer whose turn is not recorded.  This
 module is the other half: :func:`serve_records` waits on the plane's wakeup
 fd without blocking the Trio loop, hands each record to a callback and acks
 it; :func:`turn_of` turns a record into a :class:`~lowwater.trajectory.Turn`.
-
-This is the binding step of docs/dataplane.md: ``InterceptionServer``
-(hypercorn) still serves every call of ``lowwater proxy`` and the runtime.
+``InterceptionServer`` runs :func:`serve_records` for every call of
+``lowwater proxy``, the harnesses and the trainer (docs/dataplane.md).
 """
 
 from __future__ import annotations

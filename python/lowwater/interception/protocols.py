@@ -22,8 +22,8 @@ from typing import Any
 import attrs
 import orjson
 
+from lowwater import _native
 from lowwater.http import HTTPError
-from lowwater.interception.sse import encode
 
 Json = dict[str, Any]
 
@@ -192,40 +192,29 @@ class Protocol:
         raise NotImplementedError
 
     def error_body(self, status: int, reason: str) -> Json:
-        """The JSON error body for ``status`` in this protocol's shape."""
-        if self.error_flavour == "anthropic":
-            return {"type": "error", "error": {"type": _ANTHROPIC_ERRORS.get(status, "api_error"), "message": reason}}
-        return {
-            "error": {"message": reason, "type": _OPENAI_ERRORS.get(status, "api_error"), "param": None, "code": status}
-        }
+        """The JSON error body for ``status`` in this protocol's shape
+        (:attr:`error_flavour`): OpenAI's ``{"error": {"message", "type",
+        "param", "code"}}`` or Anthropic's ``{"type": "error", "error":
+        {"type", "message"}}``, with the error ``type`` each flavour's SDK
+        maps ``status`` to.  The data plane's own table
+        (:func:`lowwater._native.error_body`), so an error Python answers and
+        one the plane answers are alike.
+
+        Raises:
+            ValueError: :attr:`error_flavour` is neither ``"openai"`` nor ``"anthropic"``.
+            OverflowError: ``status`` is not in 0-65535.
+        """
+        return orjson.loads(_native.error_body(self.error_flavour, status, reason))
 
     def error_event(self, reason: str) -> bytes:
-        """An SSE event that makes the agent's SDK raise (sent before breaking a stream)."""
-        if self.error_flavour == "anthropic":
-            return encode({"type": "error", "error": {"type": "api_error", "message": reason}}, "error")
-        # The OpenAI SDKs raise on any event whose data has an "error" key.
-        return encode({"type": "error", "error": {"message": reason, "type": "api_error", "code": None}}, "error")
+        """An SSE ``error`` event that makes the agent's SDK raise (sent
+        before breaking a stream): the data plane's
+        (:func:`lowwater._native.error_event`).
 
-
-_OPENAI_ERRORS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    409: "conflict_error",
-    410: "conflict_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-}
-_ANTHROPIC_ERRORS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    529: "overloaded_error",
-}
+        Raises:
+            ValueError: :attr:`error_flavour` is neither ``"openai"`` nor ``"anthropic"``.
+        """
+        return _native.error_event(self.error_flavour, reason)
 
 
 # --- validation helpers --------------------------------------------------------

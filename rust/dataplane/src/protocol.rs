@@ -435,24 +435,32 @@ impl ProtocolSpec {
     /// An SSE event that makes the agent's SDK raise, sent before a stream is
     /// broken off (upstream cut, rollout closed).
     pub fn error_event(&self, reason: &str) -> Vec<u8> {
-        let data = match self.flavour {
-            ErrorFlavour::Anthropic => {
-                serde_json::json!({"type": "error", "error": {"type": "api_error", "message": reason}})
-            }
-            // The OpenAI SDKs raise on any event whose data has an "error" key.
-            ErrorFlavour::OpenAi => {
-                serde_json::json!({"type": "error", "error": {"message": reason, "type": "api_error", "code": null}})
-            }
-        };
-        let mut out = b"event: error\ndata: ".to_vec();
-        out.extend_from_slice(data.to_string().as_bytes());
-        out.extend_from_slice(b"\n\n");
-        out
+        error_event(self.flavour, reason)
     }
 }
 
-/// The JSON error body for `status` in `flavour`'s shape (the Python
-/// `Protocol.error_body`'s, so both planes answer alike).
+/// An SSE error event in `flavour`'s shape: `event: error` and the JSON data
+/// the flavour's SDKs raise on.
+pub fn error_event(flavour: ErrorFlavour, reason: &str) -> Vec<u8> {
+    let data = match flavour {
+        ErrorFlavour::Anthropic => {
+            serde_json::json!({"type": "error", "error": {"type": "api_error", "message": reason}})
+        }
+        // The OpenAI SDKs raise on any event whose data has an "error" key.
+        ErrorFlavour::OpenAi => {
+            serde_json::json!({"type": "error", "error": {"message": reason, "type": "api_error", "code": null}})
+        }
+    };
+    let mut out = b"event: error\ndata: ".to_vec();
+    out.extend_from_slice(data.to_string().as_bytes());
+    out.extend_from_slice(b"\n\n");
+    out
+}
+
+/// The JSON error body for `status` in `flavour`'s shape: the error `type`
+/// each flavour's SDK maps to its exception class (OpenAI's and Anthropic's
+/// API references).  The one table: Python's `Protocol.error_body` calls this
+/// through the binding.
 pub fn error_body(flavour: ErrorFlavour, status: u16, reason: &str) -> Vec<u8> {
     let value = match flavour {
         ErrorFlavour::Anthropic => {

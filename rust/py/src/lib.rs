@@ -37,6 +37,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<dataplane::DataPlane>()?;
     m.add_class::<dataplane::TurnRecord>()?;
     m.add_class::<dataplane::Upcall>()?;
+    m.add_function(wrap_pyfunction!(protocols::error_body, m)?)?;
+    m.add_function(wrap_pyfunction!(protocols::error_event, m)?)?;
     // dtype name -> item size in bytes, the table `put` validates against.
     let dtypes = pyo3::types::PyDict::new(m.py());
     for (name, size) in lowwater_core::dtype::DTYPES {

@@ -5,8 +5,9 @@
 
 use lowwater_dataplane::protocol::{ErrorFlavour, FieldKind, FieldRule, MessagesRule, Terminal};
 use lowwater_dataplane::ProtocolSpec;
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use crate::errors::DataPlaneConfigError;
 
@@ -34,10 +35,8 @@ impl WireSpec {
     /// The crate's descriptor; `DataPlaneConfigError` for an unknown flavour
     /// or field kind, or not exactly one terminal rule.
     pub(crate) fn into_spec(self) -> PyResult<ProtocolSpec> {
-        let flavour = match self.flavour.as_str() {
-            "openai" => ErrorFlavour::OpenAi,
-            "anthropic" => ErrorFlavour::Anthropic,
-            other => return Err(bad(&self.name, format!("unknown error flavour {other:?}"))),
+        let Some(flavour) = flavour_named(&self.flavour) else {
+            return Err(bad(&self.name, format!("unknown error flavour {:?}", self.flavour)));
         };
         let terminal = match (self.terminal_data, self.terminal_types.is_empty()) {
             (Some(data), true) => Terminal::Data(data),
@@ -67,6 +66,39 @@ impl WireSpec {
             tools: self.tools,
         })
     }
+}
+
+/// The error flavour a protocol names (`"openai"`, `"anthropic"`).
+fn flavour_named(name: &str) -> Option<ErrorFlavour> {
+    match name {
+        "openai" => Some(ErrorFlavour::OpenAi),
+        "anthropic" => Some(ErrorFlavour::Anthropic),
+        _ => None,
+    }
+}
+
+fn flavour_arg(name: &str) -> PyResult<ErrorFlavour> {
+    flavour_named(name).ok_or_else(|| PyValueError::new_err(format!("unknown error flavour {name:?}")))
+}
+
+/// `error_body(flavour, status, reason)`: the data plane's JSON error body,
+/// so Python's answers (`Protocol.error_body`) are the plane's by
+/// construction: the two kept their own status-to-type tables, and nothing
+/// checked that they agreed.
+#[pyfunction]
+pub(crate) fn error_body<'py>(
+    py: Python<'py>,
+    flavour: &str,
+    status: u16,
+    reason: &str,
+) -> PyResult<Bound<'py, PyBytes>> {
+    Ok(PyBytes::new(py, &lowwater_dataplane::protocol::error_body(flavour_arg(flavour)?, status, reason)))
+}
+
+/// `error_event(flavour, reason)`: the data plane's SSE error event.
+#[pyfunction]
+pub(crate) fn error_event<'py>(py: Python<'py>, flavour: &str, reason: &str) -> PyResult<Bound<'py, PyBytes>> {
+    Ok(PyBytes::new(py, &lowwater_dataplane::protocol::error_event(flavour_arg(flavour)?, reason)))
 }
 
 /// A descriptor as the dict `Protocol.data_plane_spec()` gives (tuples for
