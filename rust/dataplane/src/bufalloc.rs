@@ -20,10 +20,15 @@
 //! `madvise(MADV_DONTNEED)`: a burst's buffers do not wait for `malloc_trim`.
 //! That costs a call about three `madvise`s (its connections' read buffers
 //! cycle) and the page faults of reusing the slots.  Keeping the last 32
-//! freed slots resident for reuse saved ~0.03 ms of added latency, and
-//! cost 4 KB more per held call in the 16,384-call burst (12.0 against
+//! freed slots resident for reuse, always, saved ~0.03 ms of added latency,
+//! and cost 4 KB more per held call in the 16,384-call burst (12.0 against
 //! 8.0 KB): a warm slot has a dirty page, and the buffer it goes to next
-//! is often one a held call never touches.  So every slot goes back.
+//! is often one a held call never touches.  So a freed slot stays warm
+//! only while the pool is nearly idle (fewer than [`WARM_BELOW_USED`] slots
+//! in use: a few connections, where the madvise and the faults are on
+//! every call's path), at most [`WARM_SLOTS`] of them (256 KiB), and the
+//! plane's idle trim gives those back too ([`release_warm`]); in a burst
+//! every slot goes back at once, as before.
 //! Every other allocation goes to the inner allocator unchanged.  When the
 //! pool cannot grow (its [`MAX_CHUNKS`] chunks in use, or `mmap` refused, as
 //! under an `RLIMIT_AS` cap) the buffer comes from the inner allocator too.
@@ -59,6 +64,11 @@ const CHUNK_BYTES: usize = SLOT_BYTES * SLOTS_PER_CHUNK;
 /// held call's connection, 16,384 calls need 64 chunks).
 pub const MAX_CHUNKS: usize = 2048;
 const MAX_SLOTS: usize = MAX_CHUNKS * SLOTS_PER_CHUNK;
+/// Freed slots kept resident for reuse while the pool is nearly idle.
+pub const WARM_SLOTS: usize = 32;
+/// A freed slot stays warm only while fewer slots than this are in use: a
+/// sequential agent's connection uses 2-6; a burst's thousands never keep one.
+pub const WARM_BELOW_USED: usize = 64;
 
 /// A global allocator that puts hyper's connection buffers on pages of
 /// their own (see the module docs) and everything else on `A`.
@@ -91,6 +101,10 @@ struct Pool {
     /// Free slot indices (`chunk * SLOTS_PER_CHUNK + slot`); `free[..top]`.
     free: [u32; MAX_SLOTS],
     top: usize,
+    /// Freed slots still resident (not given back), `warm[..warm_top]`:
+    /// handed out first, zeroed by hand for `alloc_zeroed`.
+    warm: [u32; WARM_SLOTS],
+    warm_top: usize,
     /// Slots handed out now (for [`pooled_slots`]).
     used: usize,
 }
@@ -104,6 +118,8 @@ static POOL: SpinMutex<Pool, Yield> = SpinMutex::new(Pool {
     chunks: 0,
     free: [0; MAX_SLOTS],
     top: 0,
+    warm: [0; WARM_SLOTS],
+    warm_top: 0,
     used: 0,
 });
 
@@ -169,13 +185,38 @@ impl Pool {
         true
     }
 
-    fn pop(&mut self) -> Option<*mut u8> {
+    /// A slot to hand out, and whether it is warm (its bytes are a former
+    /// owner's, not zeros): a warm one first.
+    fn pop(&mut self) -> Option<(*mut u8, bool)> {
+        if self.warm_top > 0 {
+            self.warm_top -= 1;
+            self.used += 1;
+            return Some((self.address(self.warm[self.warm_top]), true));
+        }
         if self.top == 0 && !self.grow() {
             return None;
         }
         self.top -= 1;
         self.used += 1;
-        Some(self.address(self.free[self.top]))
+        Some((self.address(self.free[self.top]), false))
+    }
+
+    /// Keep freed `slot` resident if the pool is nearly idle and has room
+    /// for a warm slot; false if it must be given back.
+    fn keep_warm(&mut self, slot: u32) -> bool {
+        if self.used > WARM_BELOW_USED || self.warm_top == WARM_SLOTS {
+            return false;
+        }
+        self.warm[self.warm_top] = slot;
+        self.warm_top += 1;
+        self.used -= 1;
+        true
+    }
+
+    fn push_free(&mut self, slot: u32) {
+        let top = self.top;
+        self.free[top] = slot;
+        self.top += 1;
     }
 }
 
@@ -209,8 +250,46 @@ pub fn pooled_slots() -> (usize, usize) {
     (p.used, p.chunks)
 }
 
-/// Give a freed slot's pages back, then put it on the free stack.
+/// Freed slots kept resident now (at most [`WARM_SLOTS`]; for tests).
+pub fn warm_slots() -> usize {
+    POOL.lock().warm_top
+}
+
+/// Give the warm slots' pages back (the plane's idle trim calls this), so
+/// an idle plane keeps no freed buffer resident; returns how many.
+pub fn release_warm() -> usize {
+    let mut taken = [(0u32, ptr::null_mut::<u8>()); WARM_SLOTS];
+    let n = {
+        let mut pool = POOL.lock();
+        let n = pool.warm_top;
+        for (i, t) in taken[..n].iter_mut().enumerate() {
+            let slot = pool.warm[i];
+            *t = (slot, pool.address(slot));
+        }
+        pool.warm_top = 0;
+        n
+    };
+    // Outside the lock, as in `release`: the slots are on neither stack
+    // meanwhile, so no one can hand them out.
+    for &(_, p) in &taken[..n] {
+        // SAFETY: a freed slot of the pool's own mapping, owned by no one.
+        unsafe {
+            libc::madvise(p.cast(), SLOT_BYTES, libc::MADV_DONTNEED);
+        }
+    }
+    let mut pool = POOL.lock();
+    for &(slot, _) in &taken[..n] {
+        pool.push_free(slot);
+    }
+    n
+}
+
+/// Put a freed slot back: warm if the pool is nearly idle, else its pages
+/// given back first.
 fn release(slot: u32, p: *mut u8) {
+    if POOL.lock().keep_warm(slot) {
+        return;
+    }
     // SAFETY: `p` is the start of an 8 KiB slot inside a mapping the pool
     // owns, and its owner has freed it: nobody reads or writes it until it is
     // handed out again, which cannot happen before it is pushed below.  The
@@ -219,9 +298,7 @@ fn release(slot: u32, p: *mut u8) {
         libc::madvise(p.cast(), SLOT_BYTES, libc::MADV_DONTNEED);
     }
     let mut pool = POOL.lock();
-    let top = pool.top;
-    pool.free[top] = slot;
-    pool.top += 1;
+    pool.push_free(slot);
     pool.used -= 1;
 }
 
@@ -231,7 +308,7 @@ fn release(slot: u32, p: *mut u8) {
 unsafe impl<A: GlobalAlloc> GlobalAlloc for BufferAlloc<A> {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         if pooled(layout) {
-            if let Some(p) = POOL.lock().pop() {
+            if let Some((p, _)) = POOL.lock().pop() {
                 return p;
             }
         }
@@ -241,8 +318,14 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for BufferAlloc<A> {
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         if pooled(layout) {
-            // A slot is zeros: fresh pages, or given back by MADV_DONTNEED.
-            if let Some(p) = POOL.lock().pop() {
+            // A cold slot is zeros: fresh pages, or given back by
+            // MADV_DONTNEED; a warm one holds its last owner's bytes.
+            let popped = POOL.lock().pop();
+            if let Some((p, warm)) = popped {
+                if warm {
+                    // SAFETY: the slot is 8 KiB and now ours alone.
+                    unsafe { ptr::write_bytes(p, 0, SLOT_BYTES) };
+                }
                 return p;
             }
         }

@@ -6,7 +6,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Mutex;
 
-use lowwater_dataplane::bufalloc::{pooled_slots, SLOT_BYTES};
+use lowwater_dataplane::bufalloc::{pooled_slots, release_warm, warm_slots, SLOT_BYTES, WARM_BELOW_USED, WARM_SLOTS};
 use lowwater_dataplane::BufferAlloc;
 use proptest::prelude::*;
 
@@ -32,6 +32,7 @@ fn buffer(n: usize) -> Vec<u8> {
 #[test]
 fn hypers_buffer_size_comes_from_the_pool_and_goes_back() {
     let _s = serial();
+    release_warm(); // other tests' last frees
     let (before, _) = pooled_slots();
     let mut b = buffer(SLOT_BYTES);
     assert_eq!(pooled_slots().0, before + 1);
@@ -40,13 +41,48 @@ fn hypers_buffer_size_comes_from_the_pool_and_goes_back() {
     assert!(b.iter().enumerate().all(|(i, &x)| x == (i % 251) as u8));
     drop(b);
     assert_eq!(pooled_slots().0, before);
-    // The slot was given back with MADV_DONTNEED: the next buffer reads zeros.
+    // The pool is nearly idle: the slot stays warm, and a zeroed buffer
+    // that gets it is zeroed by hand.
+    assert_eq!(warm_slots(), 1);
     let z = vec![0u8; SLOT_BYTES];
-    assert!(z.iter().all(|&x| x == 0));
+    assert_eq!(warm_slots(), 0, "the warm slot is handed out first");
+    assert!(z.iter().all(|&x| x == 0), "a warm slot handed to alloc_zeroed is zeros");
+    let mut w = z;
+    w.fill(9);
+    drop(w);
+    assert_eq!((warm_slots(), release_warm(), warm_slots()), (1, 1, 0));
+    // Given back with MADV_DONTNEED: the next buffer reads zeros unasked.
     let mut again = buffer(SLOT_BYTES);
     // SAFETY: u8 has no invalid values; reading what the allocator handed out.
     unsafe { again.set_len(SLOT_BYTES) };
-    assert!(again.iter().all(|&x| x == 0), "a reused slot is zeros, not the last owner's bytes");
+    assert!(again.iter().all(|&x| x == 0), "a given-back slot is zeros, not the last owner's bytes");
+}
+
+#[test]
+fn a_burst_keeps_no_warm_slot_and_an_idle_pool_at_most_a_few() {
+    let _s = serial();
+    release_warm();
+    const N: usize = 2000;
+    let mut held: Vec<Vec<u8>> = (0..N).map(|_| buffer(SLOT_BYTES)).collect();
+    for b in &mut held {
+        b.resize(SLOT_BYTES, 3);
+    }
+    // Freed while thousands stay in use: each goes back at once.
+    held.truncate(N / 2);
+    assert_eq!(warm_slots(), 0, "a busy pool keeps no freed slot resident");
+    let rss0 = rss_bytes();
+    drop(held);
+    assert!(warm_slots() <= WARM_SLOTS, "{} warm slots", warm_slots());
+    assert!(warm_slots() > 0, "the last {WARM_BELOW_USED} frees find the pool nearly idle");
+    let resident = rss_bytes();
+    assert!(resident < rss0, "the burst's buffers went back as they were freed");
+    let released = release_warm();
+    assert!(released > 0 && warm_slots() == 0);
+    let after = rss_bytes();
+    assert!(
+        after + released * SLOT_BYTES / 2 <= resident,
+        "release_warm gave back {released} slots' pages: {resident} -> {after} bytes"
+    );
 }
 
 #[test]
