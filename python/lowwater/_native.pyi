@@ -438,7 +438,10 @@ class DataPlane:
         max_concurrency: upstream calls at once; more wait for a slot.
         pool_idle_timeout_s: idle upstream connections close after this (seconds).
         hold_for_ack: hold each call's last bytes until :meth:`ack`.
-        worker_threads: tokio worker threads.
+        worker_threads: tokio worker threads (default: 1 where the process
+            may use two cores or fewer, as Rust's
+            ``std::thread::available_parallelism`` counts them, CPU affinity
+            and cgroup quotas heeded; else 2).
         table: the :class:`InterceptTable` each call's request body is held in
             from its validation to its end (default: a new unbounded one).  A
             call over a bounded table's capacity is refused with 503 and
@@ -511,7 +514,7 @@ class DataPlane:
         max_concurrency: int = 1024,
         pool_idle_timeout_s: float = 5.0,
         hold_for_ack: bool = True,
-        worker_threads: int = 2,
+        worker_threads: int | None = None,
         table: InterceptTable | None = None,
         protocols: list[dict[str, Any]] | None = None,
         rewrites: Mapping[str, Mapping[str, Mapping[str, str | tuple[str, tuple[str, ...]]]]] | None = None,

@@ -26,7 +26,7 @@ fn main() {
         std::process::exit(2);
     };
     let workers = match args.next().map(|w| w.parse::<usize>()) {
-        None => 2, // the plane's default (Config::worker_threads)
+        None => lowwater_dataplane::default_worker_threads(), // the plane's default
         Some(Ok(n)) if n > 0 => n,
         Some(_) => {
             eprintln!("WORKER_THREADS must be a positive integer");

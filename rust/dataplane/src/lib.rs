@@ -48,7 +48,8 @@
 //! memory in static TLS block" in a library CPython `dlopen`s.  As the
 //! extension's global allocator it rested at 129 MiB in the same bench and
 //! cost more per open rollout (docs/dataplane.md#the-allocator).  The
-//! runtime is bounded too ([`Config::worker_threads`], 2 by default).
+//! runtime is bounded too ([`Config::worker_threads`], 1 or 2 by default:
+//! [`default_worker_threads`]).
 //!
 //! # Cargo features
 //!
@@ -110,7 +111,7 @@ pub use error::{ConfigError, RegisterError};
 #[cfg(not(loom))]
 pub use lowwater_core::InterceptTable;
 #[cfg(not(loom))]
-pub use plane::{Config, DataPlane, RolloutOptions, StartError, Stats};
+pub use plane::{default_worker_threads, Config, DataPlane, RolloutOptions, StartError, Stats};
 #[cfg(not(loom))]
 pub use protocol::{ProtocolId, ProtocolSpec, ProtocolTable};
 #[cfg(not(loom))]

@@ -223,7 +223,7 @@ impl DataPlane {
         max_concurrency = 1024,
         pool_idle_timeout_s = 5.0,
         hold_for_ack = true,
-        worker_threads = 2,
+        worker_threads = None,
         table = None,
         protocols = None,
         rewrites = None,
@@ -248,7 +248,7 @@ impl DataPlane {
         max_concurrency: usize,
         pool_idle_timeout_s: f64,
         hold_for_ack: bool,
-        worker_threads: usize,
+        worker_threads: Option<usize>,
         table: Option<Py<InterceptTable>>,
         protocols: Option<Vec<WireSpec>>,
         rewrites: Option<&Bound<'_, PyAny>>,
@@ -270,7 +270,9 @@ impl DataPlane {
             config.max_concurrency = max_concurrency;
             config.pool_idle_timeout = secs("pool_idle_timeout_s", pool_idle_timeout_s)?;
             config.hold_for_ack = hold_for_ack;
-            config.worker_threads = worker_threads;
+            if let Some(n) = worker_threads {
+                config.worker_threads = n;
+            }
             let table = match table {
                 Some(t) => t,
                 None => Py::new(py, InterceptTable { inner: Arc::new(CoreTable::new(None, 1 << 20)) })?,
