@@ -23,6 +23,8 @@ def _stub_names() -> dict[str, set[str]]:
             out[""].add(node.name)
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             out[""].add(node.target.id)
+        elif isinstance(node, ast.FunctionDef):
+            out[""].add(node.name)  # module functions (error_body, error_event)
     return out
 
 
