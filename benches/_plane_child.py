@@ -7,9 +7,12 @@ records into one :class:`~lowwater.trajectory.Trajectory` per open rollout
 :func:`~lowwater.interception.dataplane.turn_of`) and drops a rollout's
 trajectory when it closes.
 
-Usage: ``python benches/_plane_child.py UPSTREAM [--no-trim]`` (the
-upstream's base URL, ending ``/v1``; ``--no-trim``: the plane's
-``trim_when_idle`` off, glibc keeping what a burst freed).  It prints the plane's ``http://host:port`` as its first
+Usage: ``python benches/_plane_child.py UPSTREAM [--no-trim] [--no-ack]``
+(the upstream's base URL, ending ``/v1``; ``--no-trim``: the plane's
+``trim_when_idle`` off, glibc keeping what a burst freed; ``--no-ack``: the
+plane's ``hold_for_ack`` off and no record drained, so no Python runs per
+call: the Rust side's own cost, for benches/interception.py's
+``plane_no_ack`` series; its records pile up, so only for short runs).  It prints the plane's ``http://host:port`` as its first
 stdout line, then serves a control channel kept off the measured path: one
 JSON object per stdin line, one JSON reply per stdout line, in order:
 
@@ -84,13 +87,13 @@ def heap_in_use_bytes() -> int:
     return int(info.uordblks + info.hblkhd)
 
 
-def main(upstream: str, trim_when_idle: bool) -> None:
+def main(upstream: str, trim_when_idle: bool, ack: bool) -> None:
     # Each open rollout holds a client socket and, at the gate, an upstream one.
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    plane = DataPlane(upstream, retries=0, trim_when_idle=trim_when_idle)
+    plane = DataPlane(upstream, retries=0, trim_when_idle=trim_when_idle, hold_for_ack=ack)
     trajectories: dict[str, Trajectory] = {}
     counts = {"turns": 0, "orphans": 0}
 
@@ -142,7 +145,8 @@ def main(upstream: str, trim_when_idle: bool) -> None:
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(serve_records, plane, on_record)
+            if ack:
+                nursery.start_soon(serve_records, plane, on_record)
             await control(nursery.cancel_scope)
 
     print(f"http://{plane.address}", flush=True)
@@ -153,4 +157,4 @@ def main(upstream: str, trim_when_idle: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], "--no-trim" not in sys.argv[2:])
+    main(sys.argv[1], "--no-trim" not in sys.argv[2:], "--no-ack" not in sys.argv[2:])

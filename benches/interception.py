@@ -13,7 +13,11 @@ before the data plane (the Python server on the call path), for the
 side-by-side.  ``--forwarder`` adds a minimal hyper forwarder
 (``rust/dataplane/examples/forwarder.rs``, built with cargo) to the latency
 phase: the cost of an extra loopback hop on this host, on the plane's own
-HTTP stack, with none of lowwater's work.  The load generator (this process) is a minimal raw-socket
+HTTP stack, with none of lowwater's work.  ``--plane-no-ack`` adds the
+plane with no control plane on the answer's path (``hold_for_ack`` off, no
+record drained) to the latency phase: the Rust side's own cost, so the
+plane's added latency splits into the hop, the Rust work and the control
+plane's wakeup and ack.  The load generator (this process) is a minimal raw-socket
 HTTP/1.1 client on Trio, so the figures measure the servers, not a heavy
 client; it sends non-streamed chat completions.
 
@@ -21,7 +25,9 @@ client; it sends non-streamed chat completions.
   connection, direct and through the proxy, interleaved in rounds; p50 and
   p99 of each, and the difference.  With ``--forwarder`` also the
   forwarder's, and the plane's p50 beyond it (what lowwater's work per call
-  adds over the hop).
+  adds over the hop).  With ``--plane-no-ack`` also the plane without its
+  control plane on the answer's path, and the plane's p50 beyond it (what
+  holding the answer for the ack costs).
 * **Throughput** at concurrency ``--concurrency`` (one rollout and one
   connection per worker): turns/s direct and through the proxy,
   interleaved rounds, medians, and their ratio.
@@ -47,7 +53,7 @@ Usage: ``python benches/interception.py [--quick] [--latency-calls 2000]
 [--concurrency 256] [--calls-per-worker 20] [--rounds 2] [--rollouts 16384]
 [--phases latency,throughput,hold,interceptor] [--servers proxy,plane]
 [--plane-env NAME=VALUE] [--plane-no-trim] [--previous CHECKOUT]
-[--forwarder]``.
+[--forwarder] [--plane-no-ack]``.
 The last stdout line is the JSON object benches/README.md#output describes.
 """
 
@@ -277,13 +283,14 @@ class PlaneChild:
     loop keeps running while the child answers.
     """
 
-    def __init__(self, upstream: str, env: dict[str, str] | None = None, trim: bool = True) -> None:
+    def __init__(self, upstream: str, env: dict[str, str] | None = None, trim: bool = True, ack: bool = True) -> None:
         self.proc = subprocess.Popen(
             [
                 sys.executable,
                 str(Path(__file__).parent / "_plane_child.py"),
                 upstream,
                 *([] if trim else ["--no-trim"]),
+                *([] if ack else ["--no-ack"]),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -884,6 +891,12 @@ def main() -> None:
         help="add a minimal hyper forwarder (rust/dataplane/examples/forwarder.rs, built with cargo) "
         "to the latency phase as the `forwarder` series: an extra hop's floor on this host",
     )
+    p.add_argument(
+        "--plane-no-ack",
+        action="store_true",
+        help="add the plane with no control plane on the answer's path (hold_for_ack off, no record drained) "
+        "to the latency phase as the `plane_no_ack` series: the Rust side's own cost",
+    )
     p.add_argument("--_gate-child", dest="gate_child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     phases = set(a.phases.split(","))
@@ -892,6 +905,8 @@ def main() -> None:
         return gate_child()
     if a.forwarder and "latency" not in phases:
         p.error("--forwarder adds a series to the latency phase: include latency in --phases")
+    if a.plane_no_ack and ("latency" not in phases or "plane" not in servers):
+        p.error("--plane-no-ack adds a series to the latency phase: include latency in --phases and plane in --servers")
     if a.quick:
         a.latency_calls, a.concurrency, a.calls_per_worker, a.rounds, a.rollouts = 100, 32, 4, 1, 256
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -906,6 +921,7 @@ def main() -> None:
         start_proxy(model_url + "/v1", out_dir, a.pythonmalloc, previous=a.previous) if a.previous else (None, "")
     )
     plane = PlaneChild(model_url + "/v1", plane_env, not a.plane_no_trim) if "plane" in servers else None
+    plane_no_ack = PlaneChild(model_url + "/v1", plane_env, not a.plane_no_trim, ack=False) if a.plane_no_ack else None
     # The forwarder serves the model server's own paths (/v1/...): its origin.
     forwarder, forwarder_url = start([build_forwarder(), model_url], url_on="stdout") if a.forwarder else (None, "")
     gate, gate_url = (
@@ -979,6 +995,8 @@ def main() -> None:
                 sides["plane"] = (plane.url, plane)
             if previous is not None:
                 sides["previous"] = (previous_url, ProxyRollouts(previous_url))
+            if plane_no_ack is not None:
+                sides["plane_no_ack"] = (plane_no_ack.url, plane_no_ack)
             if forwarder is not None:
                 sides["forwarder"] = (forwarder_url, None)
             q = await latency_percentiles(sides, a.rounds, a.latency_calls)
@@ -992,7 +1010,7 @@ def main() -> None:
                         "added_p99_ms": q["proxy"][98] - q["direct"][98],
                     }
                 )
-            for side in ("plane", "previous", "forwarder"):
+            for side in ("plane", "previous", "forwarder", "plane_no_ack"):
                 if side in q:
                     results.update(
                         {
@@ -1005,6 +1023,11 @@ def main() -> None:
             if "plane" in q and "forwarder" in q:
                 # The hop's cost taken out: lowwater's own work per call.
                 results["plane_beyond_forwarder_p50_ms"] = q["plane"][49] - q["forwarder"][49]
+            if "plane" in q and "plane_no_ack" in q:
+                # What holding each answer for the control plane's ack costs (its wakeup, drain, turn, ack).
+                results["plane_beyond_no_ack_p50_ms"] = q["plane"][49] - q["plane_no_ack"][49]
+            if "plane_no_ack" in q and "forwarder" in q:
+                results["plane_no_ack_beyond_forwarder_p50_ms"] = q["plane_no_ack"][49] - q["forwarder"][49]
 
         async def throughput_phase() -> None:
             progress(
@@ -1049,7 +1072,7 @@ def main() -> None:
 
         trio.run(run)
     finally:
-        for child in (gated_plane, plane):
+        for child in (gated_plane, plane, plane_no_ack):
             if child is not None:
                 child.stop()
         for proc in (forwarder, hooked, gated_previous, gated, gate, previous, proxy, model):
