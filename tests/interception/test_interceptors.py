@@ -189,6 +189,38 @@ def test_reject_status_is_checked():
         Reject(200, "ok")
 
 
+class Listen:
+    """Only a response hook: no request hook hands it the call first."""
+
+    def __init__(self):
+        self.seen = []
+
+    @hookimpl
+    async def intercept_response(self, call, response):
+        self.seen.append((call.rollout_id, call.protocol, call.body, response.completion))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_plugin_with_only_a_response_hook_sees_every_recorded_call(kind):
+    listen = Listen()
+
+    async def fn(h):
+        h.server.interceptors = _interceptors(listen)
+        slot, trajectory = h.open("only")
+        sent = body(kind, "hello there")
+        assert (await h.call(slot, kind, sent)).status_code == 200
+        assert (await h.call(slot, kind, body(kind, "again"))).status_code == 200
+        assert len(trajectory.turns) == 2
+        assert [(r, body_) for r, _p, body_, _c in listen.seen][0] == ("only", sent)
+        assert len(listen.seen) == 2 and all(c is not None for *_, c in listen.seen)
+        assert h.upstream.received[0][2] == sent  # forwarded as sent: no hook rewrote it
+        h.server.unregister("only")
+        await h.assert_clean()
+        assert h.server._intercepted == {}
+
+    run(fn)
+
+
 def test_the_call_state_kept_for_response_hooks_is_dropped_on_every_path():
     """The ``InterceptedCall`` a call's request hooks saw is kept for its
     ``intercept_response`` (by request id) until its record: answered,

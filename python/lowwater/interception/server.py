@@ -270,13 +270,13 @@ class InterceptionServer:
     def interceptors(self, interceptors: Interceptors | None) -> None:
         self._interceptors = interceptors
         if self.plane is not None:
-            # Calls enter Python only while some plugin has a request hook.
-            self.plane.set_intercept(interceptors is not None and bool(interceptors.requests))
+            # Calls enter Python only while some plugin has an interceptor hook.
+            self.plane.set_intercept(_hooked(interceptors))
 
     def _upcall_options(self) -> dict[str, Any]:
         """What the plane hands to Python: calls for the request hooks, mounted routes."""
         options: dict[str, Any] = {}
-        if self.interceptors is not None and self.interceptors.requests:
+        if _hooked(self.interceptors):
             options["intercept"] = True
         if self._mounts:
             options["python_routes"] = [prefix for prefix, _ in self._mounts]
@@ -426,6 +426,9 @@ class InterceptionServer:
     async def _intercept(self, upcall: Upcall) -> bytes | None:
         """Run the ``intercept_request`` hooks on one call's body; the bytes to
         forward (what the last hook left), or ``None`` to forward the agent's.
+        With ``intercept_response`` hooks, keep the call for them (its body
+        as sent, its headers, the state the request hooks left): a plugin
+        with only a response hook still needs the call it answers.
 
         Raises:
             lowwater.http.HTTPError: a hook's :class:`~lowwater.interception.hooks.Reject`,
@@ -433,20 +436,31 @@ class InterceptionServer:
                 hooks left cannot be encoded.
         """
         interceptors = self.interceptors
-        if interceptors is None or not interceptors.requests:
+        if not _hooked(interceptors):
             return None
+        assert interceptors is not None
         payload = orjson.loads(upcall.body)  # the plane validated it: a JSON object
         rollout_id, request_id = upcall.rollout_id or "", upcall.request_id or ""
         call = InterceptedCall(rollout_id, upcall.protocol or "", payload, headers=header_map(upcall.headers))
-        await interceptors.request(call)
-        try:
-            forward = orjson.dumps(call.body)
-        except orjson.JSONEncodeError as exc:
-            raise HTTPError(400, f"the request cannot be re-encoded for the upstream: {exc}") from None
+        forward = None
+        if interceptors.requests:
+            await interceptors.request(call)
+            try:
+                forward = orjson.dumps(call.body)
+            except orjson.JSONEncodeError as exc:
+                raise HTTPError(400, f"the request cannot be re-encoded for the upstream: {exc}") from None
         slot = self.slots.get(rollout_id)
         if interceptors.responses and slot is not None and not slot.closed:
             self._intercepted[request_id] = call
         return forward
+
+
+def _hooked(interceptors: Interceptors | None) -> bool:
+    """Whether calls must be handed to Python: some plugin has a request or a
+    response hook (a response hook needs the call it answers: handed over
+    for request hooks only, a plugin with only ``intercept_response`` was
+    never called)."""
+    return interceptors is not None and bool(interceptors.requests or interceptors.responses)
 
 
 def _error_body(scope: Any, err: HTTPError) -> Any:
