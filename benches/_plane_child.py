@@ -1,11 +1,13 @@
 """The standalone data-plane process of benches/interception.py and tests/memory/test_plane_rss.py.
 
-One process as the data plane will run: a :class:`lowwater._native.DataPlane`
-serving calls on its tokio threads, and a Trio control plane that drains its
-records into one :class:`~lowwater.trajectory.Trajectory` per open rollout
-(:func:`~lowwater.interception.dataplane.serve_records`,
-:func:`~lowwater.interception.dataplane.turn_of`) and drops a rollout's
-trajectory when it closes.
+One process as the data plane will run, configured as ``InterceptionServer``
+configures it: a :class:`lowwater._native.DataPlane` serving calls on its
+tokio threads (``release_when_readable``: a call whose answer is JSON gets
+its end once its record is queued), and a Trio control plane that drains
+its records into one :class:`~lowwater.trajectory.Trajectory` per open
+rollout (:class:`~lowwater.interception.dataplane.Records`,
+:func:`~lowwater.interception.dataplane.turn_of`), applies what is queued
+before it counts turns, and drops a rollout's trajectory when it closes.
 
 Usage: ``python benches/_plane_child.py UPSTREAM [--no-trim] [--no-ack]``
 (the upstream's base URL, ending ``/v1``; ``--no-trim``: the plane's
@@ -45,7 +47,7 @@ import orjson
 import trio
 
 from lowwater._native import DataPlane, TurnRecord
-from lowwater.interception.dataplane import serve_records, turn_of
+from lowwater.interception.dataplane import Records, turn_of
 from lowwater.trajectory import Trajectory
 
 
@@ -93,7 +95,7 @@ def main(upstream: str, trim_when_idle: bool, ack: bool) -> None:
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    plane = DataPlane(upstream, retries=0, trim_when_idle=trim_when_idle, hold_for_ack=ack)
+    plane = DataPlane(upstream, retries=0, trim_when_idle=trim_when_idle, hold_for_ack=ack, release_when_readable=True)
     trajectories: dict[str, Trajectory] = {}
     counts = {"turns": 0, "orphans": 0}
 
@@ -105,18 +107,22 @@ def main(upstream: str, trim_when_idle: bool, ack: bool) -> None:
         trajectory.add_turn(turn_of(record, trajectory))
         counts["turns"] += 1
 
+    records = Records(plane, on_record)
+
     def handle(request: dict) -> dict:
         op = request["op"]
+        if ack:
+            records.flush()  # the turns of calls already answered, before they are counted
         if op == "open":
             for rollout_id, secret in request["rollouts"]:
                 plane.register(rollout_id, secret)
                 trajectories[rollout_id] = Trajectory(rollout_id)
             return {"opened": len(request["rollouts"])}
         if op == "close":
-            turns = cancelled = 0
-            for rollout_id in request["ids"]:
-                cancelled += plane.unregister(rollout_id)
-                turns += len(trajectories.pop(rollout_id).turns)
+            cancelled = sum(plane.unregister(rollout_id) for rollout_id in request["ids"])
+            if ack:
+                records.flush()  # what unregister left queued: calls it did not cancel
+            turns = sum(len(trajectories.pop(rollout_id).turns) for rollout_id in request["ids"])
             return {"closed": len(request["ids"]), "turns": turns, "cancelled": cancelled}
         if op == "stats":
             return {
@@ -146,7 +152,7 @@ def main(upstream: str, trim_when_idle: bool, ack: bool) -> None:
     async def run() -> None:
         async with trio.open_nursery() as nursery:
             if ack:
-                nursery.start_soon(serve_records, plane, on_record)
+                nursery.start_soon(records.serve)
             await control(nursery.cancel_scope)
 
     print(f"http://{plane.address}", flush=True)

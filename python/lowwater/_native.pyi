@@ -417,6 +417,10 @@ class DataPlane:
     With ``hold_for_ack`` each call's last bytes (a stream's terminal event, a
     whole answer) wait until its record is acked, so the owner must drain and
     ack every record (``lowwater.interception.dataplane.serve_records``).
+    With ``release_when_readable`` too, only the calls that need the owner's
+    verdict wait (see the argument); the others go out once their record is
+    queued, and the owner drains before it shows a turn
+    (``lowwater.interception.dataplane.Records.flush``).
 
     Args:
         upstream: the upstream's base URL (``http://host:port/v1``); a call to
@@ -438,6 +442,14 @@ class DataPlane:
         max_concurrency: upstream calls at once; more wait for a slot.
         pool_idle_timeout_s: idle upstream connections close after this (seconds).
         hold_for_ack: hold each call's last bytes until :meth:`ack`.
+        release_when_readable: with ``hold_for_ack``, hold only the calls
+            that need a verdict: those of a protocol whose spec has
+            ``reads_any_json`` false, those handed over as ``"intercept"``
+            upcalls (their response hooks run before the ack), and a 2xx
+            answer that is not JSON (a stream with an event whose data is
+            not); the others' last bytes go out once their record is queued.
+            Records of released calls reach the wakeup fd in batches (at
+            most 5 ms after the batch's first), not one wakeup per call.
         worker_threads: tokio worker threads (default: 1 where the process
             may use two cores or fewer, as Rust's
             ``std::thread::available_parallelism`` counts them, CPU affinity
@@ -514,6 +526,7 @@ class DataPlane:
         max_concurrency: int = 1024,
         pool_idle_timeout_s: float = 5.0,
         hold_for_ack: bool = True,
+        release_when_readable: bool = False,
         worker_threads: int | None = None,
         table: InterceptTable | None = None,
         protocols: list[dict[str, Any]] | None = None,
@@ -647,7 +660,9 @@ class DataPlane:
         """A snapshot: ``open_rollouts``, ``secrets``, ``in_flight``,
         ``active_calls``, ``connections``, ``queued``, ``awaiting_ack`` (now),
         and the counters since start ``calls``, ``ok``, ``failed``,
-        ``closed``, ``disconnected``, ``refused``; ``intercepts`` and
+        ``closed``, ``disconnected``, ``refused``, ``released`` (recorded
+        calls whose last bytes went out without waiting for the ack,
+        ``release_when_readable``); ``intercepts`` and
         ``intercept_bytes``: request bodies held in :attr:`table` now;
         ``upstream_requests`` and ``upstream_retried``: attempts sent
         upstream since start, and of those the retries;

@@ -18,7 +18,7 @@ group reward can still read every member after the members' own cleanup).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import attrs
@@ -137,13 +137,17 @@ class Trajectory:
         rollout_id: the rollout's id (unique within a run).
         task_id: the task's stable id (dataset row index or environment id).
         group_id: the group's id, or ``None`` for an ungrouped rollout.
-        turns: the recorded turns, in call order.
+        turns: the recorded turns, in call order.  While the trajectory is
+            registered with an interception server, reading it first applies
+            the calls the server has recorded and not yet handed over
+            (:meth:`sync_with`), so a turn is here as soon as its agent has
+            the answer's end.
     """
 
     rollout_id: str
     task_id: str | int = ""
     group_id: str | None = None
-    turns: list[Turn] = attrs.field(factory=list)
+    _turns: list[Turn] = attrs.field(factory=list, alias="turns")
     # The history seen so far, as references to the message objects the
     # turns' deltas already hold (a pointer per message, no copy): the check
     # that a new request appended to it rather than rewrote it.
@@ -151,6 +155,32 @@ class Trajectory:
     # The distinct tool lists offered so far, most recent first (references to
     # the lists the turns hold, at most TOOL_LISTS_REMEMBERED).
     _tool_lists: list[list[Any]] = attrs.field(factory=list, init=False, repr=False)
+    # Called before each read of `turns` while registered (the server's
+    # Records.flush); None otherwise.
+    _sync: Callable[[], object] | None = attrs.field(default=None, init=False, repr=False)
+
+    @property
+    def turns(self) -> list[Turn]:
+        sync = self._sync
+        if sync is not None:
+            sync()
+        return self._turns
+
+    @turns.setter
+    def turns(self, turns: list[Turn]) -> None:
+        self._turns = turns
+
+    def sync_with(self, flush: Callable[[], object] | None) -> None:
+        """Call ``flush`` before every read of :attr:`turns` (``None``: stop).
+
+        The interception data plane lets an agent have an answer as soon as
+        its call is recorded in the plane's queue, before the control plane
+        has turned the record into a turn; the server registers its
+        ``Records.flush`` here so that reading the turns applies those
+        records first.  Not for plugins: ``InterceptionServer`` sets and
+        clears it at register and unregister.
+        """
+        self._sync = flush
 
     def message_delta(self, messages: list[Any]) -> tuple[int, list[Any]]:
         """``(start, delta)``: the part of ``messages`` that earlier turns have
@@ -204,7 +234,7 @@ class Trajectory:
         return tools
 
     def add_turn(self, turn: Turn) -> None:
-        self.turns.append(turn)
+        self._turns.append(turn)
 
     def to_json(self) -> dict[str, Any]:
         """``rollout_id``, ``task_id``, ``group_id`` and ``turns`` (:func:`turns_to_json`)."""

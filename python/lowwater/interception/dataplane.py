@@ -1,20 +1,28 @@
 """The Trio control-plane loop of the Rust data plane (:class:`lowwater._native.DataPlane`).
 
 The data plane serves the agent's calls on its own threads and queues a
-:class:`~lowwater._native.TurnRecord` per recorded call; its last bytes (a
-stream's terminal event, a whole answer) wait until the record is acked, so
-an agent never sees the end of an answer whose turn is not recorded.  This
-module is the other half: :func:`serve_records` waits on the plane's wakeup
-fd without blocking the Trio loop, hands each record to a callback and acks
-it; :func:`turn_of` turns a record into a :class:`~lowwater.trajectory.Turn`.
-``InterceptionServer`` runs :func:`serve_records` for every call of
-``lowwater proxy``, the harnesses and the trainer (docs/dataplane.md).
+:class:`~lowwater._native.TurnRecord` per recorded call.  A call's last bytes
+(a stream's terminal event, a whole answer) wait until its record is acked
+when the control plane may still change them (a verdict, an
+``intercept_response`` hook); with ``release_when_readable`` the others go
+out as soon as the record is queued, and whoever shows a turn drains first
+(:meth:`Records.flush`), so an agent never holds the end of an answer whose
+turn a reader could miss.  This module is the other half: :class:`Records`
+(and :func:`serve_records`) waits on the plane's wakeup fd without blocking
+the Trio loop, hands each record to a callback and acks it; :func:`turn_of`
+turns a record into a :class:`~lowwater.trajectory.Turn`.
+``InterceptionServer`` runs it for every call of ``lowwater proxy``, the
+harnesses and the trainer (docs/dataplane.md).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
+import os
+import sys
+import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,7 +37,7 @@ from lowwater.interception.sse import SSEParser
 from lowwater.redact import redact_url
 from lowwater.trajectory import Trajectory, Turn
 
-__all__ = ["Fail", "read_record", "rewrites_for", "serve_records", "turn_of"]
+__all__ = ["Fail", "Records", "read_record", "rewrites_for", "serve_records", "turn_of"]
 
 
 def rewrites_for(
@@ -82,59 +90,181 @@ class Fail:
     reason: str
 
 
-async def serve_records(
-    plane: DataPlane, on_record: Callable[[TurnRecord], Awaitable[Fail | None] | Fail | None]
-) -> None:
-    """Drain ``plane``'s records into ``on_record`` and ack each, until cancelled.
+OnRecord = Callable[[TurnRecord], "Awaitable[Fail | None] | Fail | None"]
 
-    Waits with :func:`trio.lowlevel.wait_readable` on the plane's wakeup fd;
-    ``drain`` and ``ack`` take a lock for a moment and never wait, so the
-    Trio loop is never blocked.  Every drained record is acked, whatever
-    ``on_record`` does with it (including a record of a rollout its owner has
-    already closed, and one ``on_record`` raised on): an unacked record would
-    hold its call's answer forever.
 
-    Cancel this loop before :meth:`DataPlane.close`: close closes the fd, and
-    a wait on a closed fd is never woken.  Returns when the plane is found
-    closed.
+class Records:
+    """The control plane's side of a plane's completion queue: drain its
+    records into ``on_record``, ack or fail each, from the Trio loop
+    (:meth:`serve`) and, at once, from whoever is about to show a turn
+    (:meth:`flush`).
+
+    Every drained record is acked, whatever ``on_record`` does with it
+    (including a record of a rollout its owner has already closed, and one
+    ``on_record`` raised on): an unacked record would hold its call's
+    answer forever.  Records are handed over in the order the plane queued
+    them, each batch's ``on_record`` calls one after another with no
+    checkpoint between, so a rollout's turns are appended in call order
+    whether :meth:`serve` or :meth:`flush` drained them.
 
     Args:
         plane: a started data plane.
-        on_record: called once per record, oldest first, in the Trio thread
-            (e.g. ``trajectory.add_turn(turn_of(record, trajectory))``); an
-            awaitable it returns is awaited before the record is acked (the
-            interceptors' ``intercept_response`` hooks run so, before the
-            agent has the end of its answer).  A :class:`Fail` returned (or
-            awaited) releases the call with that error instead
-            (:meth:`DataPlane.fail`).
+        on_record: called once per record in call order (e.g.
+            ``trajectory.add_turn(turn_of(record, trajectory))``).  A
+            :class:`Fail` returned releases the call with that error instead
+            (:meth:`DataPlane.fail`).  An awaitable it returns (the
+            interceptors' ``intercept_response`` hooks) is awaited by
+            :meth:`serve`, one at a time in call order, before the record is
+            acked: the agent has the end of its answer only after it.
+    """
+
+    def __init__(self, plane: DataPlane, on_record: OnRecord) -> None:
+        self.plane = plane
+        self.on_record = on_record
+        # Records whose callback returned an awaitable: serve() awaits each,
+        # then acks (a flush may have drained them; it cannot await).
+        self._awaiting: collections.deque[tuple[TurnRecord, Awaitable[Fail | None]]] = collections.deque()
+        self._error: BaseException | None = None
+        # One drain-and-apply at a time (a flush may come from another thread),
+        # so batches are applied in the order they were drained.
+        self._lock = threading.Lock()
+        self._flushing: int | None = None  # the thread applying a batch now
+
+    async def serve(self) -> None:
+        """Drain, apply and ack until cancelled, waiting on the plane's wakeup
+        fd with :func:`trio.lowlevel.wait_readable`; ``drain`` and ``ack``
+        take a lock for a moment and never wait, so the Trio loop is never
+        blocked.
+
+        Cancel it before :meth:`DataPlane.close`: close closes the fd, and a
+        wait on a closed fd is never woken.  Returns when the plane is found
+        closed.
+
+        Raises:
+            Exception: whatever ``on_record`` raised, here or in a
+                :meth:`flush` (the rest of its batch is acked first).
+        """
+        try:
+            fd = self.plane.wakeup_fd()
+        except DataPlaneClosed:
+            return
+        while True:
+            await trio.lowlevel.wait_readable(fd)
+            try:
+                self._flush(wake=False)
+            except DataPlaneClosed:
+                return
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            while self._awaiting:
+                record, pending = self._awaiting.popleft()
+                try:
+                    verdict = await pending
+                except BaseException:
+                    self.plane.ack(record.seq)
+                    for held, _ in self._awaiting:
+                        self.plane.ack(held.seq)
+                    self._awaiting.clear()
+                    raise
+                self._release(record, verdict)
+
+    def flush(self) -> None:
+        """Apply every record the plane has queued, now, in the calling
+        thread: what a reader calls before it shows a turn (a trajectory's
+        ``turns``, an admin endpoint), since a call released without the ack
+        may have answered its agent before :meth:`serve` ran.  Returns at once
+        when called from inside ``on_record`` (its own batch is being applied).
+
+        An exception ``on_record`` raises is not raised here (the reader did
+        not cause it): :meth:`serve` raises it, as if it had drained the batch.
+
+        Raises:
+            DataPlaneClosed: the plane is closed.
+        """
+        self._flush(wake=True)
+
+    def stop(self) -> None:
+        """The owner is stopping (:meth:`serve` cancelled): apply what the
+        plane queued, then ack the records whose awaitable :meth:`serve` will
+        not await now (their hooks do not run; their calls get their answer).
+        Errors of ``on_record`` are dropped here: there is no loop left to
+        raise them in."""
+        try:
+            self._flush(wake=False)
+        except DataPlaneClosed:
+            pass
+        while self._awaiting:
+            record, pending = self._awaiting.popleft()
+            close = getattr(pending, "close", None)
+            if close is not None:
+                close()  # a coroutine never awaited: no RuntimeWarning
+            try:
+                self.plane.ack(record.seq)
+            except DataPlaneClosed:
+                pass
+        self._error = None
+
+    def _flush(self, *, wake: bool) -> None:
+        """Drain and apply; ``wake``: make :meth:`serve` run for what this
+        left to it (an awaitable to await, an error to raise)."""
+        me = threading.get_ident()
+        if self._flushing == me:
+            return
+        with self._lock:
+            self._flushing = me
+            try:
+                left = self._apply(self.plane.drain())
+            finally:
+                self._flushing = None
+        if left and wake:
+            self._wake_serve()
+
+    def _apply(self, records: list[TurnRecord]) -> bool:
+        """Each record's callback, in order; whether :meth:`serve` has work left."""
+        left = False
+        for i, record in enumerate(records):
+            try:
+                verdict = self.on_record(record)
+            except BaseException as exc:
+                self.plane.ack(record.seq)
+                for held in records[i + 1 :]:
+                    self.plane.ack(held.seq)
+                if self._error is None:
+                    self._error = exc
+                return True
+            if inspect.isawaitable(verdict):
+                self._awaiting.append((record, verdict))
+                left = True
+            else:
+                self._release(record, verdict)
+        return left
+
+    def _release(self, record: TurnRecord, verdict: object) -> None:
+        if isinstance(verdict, Fail):
+            self.plane.fail(record.seq, verdict.status, verdict.reason)
+        else:
+            self.plane.ack(record.seq)
+
+    def _wake_serve(self) -> None:
+        """Make :meth:`serve` run: it waits on the wakeup fd, which the drain
+        just cleared, and it must await what the flush could not (an eventfd
+        on Linux, a pipe elsewhere: 8 bytes of 1 suit both)."""
+        try:
+            os.write(self.plane.wakeup_fd(), (1).to_bytes(8, sys.byteorder))
+        except (OSError, DataPlaneClosed):
+            pass  # closed: serve() is gone too
+
+
+async def serve_records(plane: DataPlane, on_record: OnRecord) -> None:
+    """``await Records(plane, on_record).serve()``: drain ``plane``'s records
+    into ``on_record`` and ack each, until cancelled (see :class:`Records`).
 
     Raises:
         Exception: whatever ``on_record`` raised (the rest of its batch is
             acked first).
     """
-    try:
-        fd = plane.wakeup_fd()
-    except DataPlaneClosed:
-        return
-    while True:
-        await trio.lowlevel.wait_readable(fd)
-        try:
-            records = plane.drain()
-        except DataPlaneClosed:
-            return
-        for i, record in enumerate(records):
-            try:
-                verdict = on_record(record)
-                if inspect.isawaitable(verdict):
-                    verdict = await verdict
-            except BaseException:
-                for held in records[i:]:
-                    plane.ack(held.seq)
-                raise
-            if isinstance(verdict, Fail):
-                plane.fail(record.seq, verdict.status, verdict.reason)
-            else:
-                plane.ack(record.seq)
+    await Records(plane, on_record).serve()
 
 
 def turn_of(record: TurnRecord, trajectory: Trajectory, protocols: Mapping[str, Protocol] | None = None) -> Turn:

@@ -49,11 +49,11 @@ from typing import Any
 import orjson
 import trio
 
-from lowwater._native import DataPlane, InterceptTable, TurnRecord, Upcall
+from lowwater._native import DataPlane, DataPlaneClosed, InterceptTable, TurnRecord, Upcall
 from lowwater.http import MAX_JSON_DEPTH, App, HTTPError, Router, nests_deeper
 from lowwater.http.exposure import check_bind, public_address
 from lowwater.http.routes import normalise
-from lowwater.interception.dataplane import Fail, read_record, rewrites_for, serve_records
+from lowwater.interception.dataplane import Fail, Records, read_record, rewrites_for
 from lowwater.interception.hooks import InterceptedCall, InterceptedResponse, Interceptors
 from lowwater.interception.protocols import Completion, Protocol, builtin_protocols
 from lowwater.interception.slots import Slot, SlotRegistry, new_secret
@@ -151,6 +151,7 @@ class InterceptionServer:
         self._base_url = ""
         self.slots = SlotRegistry()
         self.plane: DataPlane | None = None
+        self._records: Records | None = None
         self._mounts: list[tuple[str, App]] = []
         # Request id -> the call its intercept_request hooks saw, until its
         # record hands it to intercept_response (or its rollout closes).
@@ -189,9 +190,10 @@ class InterceptionServer:
         # Name resolution and the runtime's start block (the GIL released).
         plane = await trio.to_thread.run_sync(self._start_plane, host, port)
         self.plane = plane
+        self._records = records = Records(plane, self._on_record)
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(serve_records, plane, self._on_record)
+                nursery.start_soon(records.serve)
                 # Always: interceptors may be set while the server runs (it
                 # waits on the plane's upcall fd, which is quiet until then).
                 nursery.start_soon(
@@ -203,12 +205,16 @@ class InterceptionServer:
                 task_status.started(self.url)
                 await trio.sleep_forever()
         finally:
+            # The turns of calls already answered, before their slots close.
+            records.stop()
+            self._records = None
             self._last_stats = plane.stats()
             self.url = self._base_url = ""
             self.plane = None
             for rollout_id in list(self.slots):
                 if (slot := self.slots.get(rollout_id)) is not None:
                     slot.closed = True  # its calls ended with the plane
+                    slot.trajectory.sync_with(None)
                 # The table outlives the plane (its owner may read it): no rollout left open in it.
                 self.table.close_rollout(rollout_id)
             self._intercepted.clear()
@@ -237,6 +243,9 @@ class InterceptionServer:
             table=self.table,
             protocols=[p.data_plane_spec() for p in self.routes.values()],
             rewrites=self._rewrites(),
+            # A call whose answer needs no verdict goes out once recorded in
+            # the plane; trajectories drain before they are read (sync_with).
+            release_when_readable=True,
             **self._upcall_options(),
             **options,
         )
@@ -316,6 +325,7 @@ class InterceptionServer:
         except BaseException:
             self.slots.pop(slot.rollout_id)
             raise
+        trajectory.sync_with(self._sync)
         return slot
 
     def unregister(self, rollout_id: str) -> int:
@@ -329,19 +339,34 @@ class InterceptionServer:
         Returns:
             How many calls it cancelled.
         """
-        slot = self.slots.pop(rollout_id)
+        slot = self.slots.get(rollout_id)
         if slot is None:
             return 0
+        plane, cancelled = self.plane, 0
+        if plane is not None:
+            try:
+                # Every call it does not cancel has its record queued when it returns ...
+                cancelled = plane.unregister(rollout_id)
+            except KeyError:
+                pass
+            # ... so the turns of calls already answered land before the slot closes.
+            self._sync()
+        self.slots.pop(rollout_id)
         slot.closed = True
+        slot.trajectory.sync_with(None)
         for request_id in [r for r, c in self._intercepted.items() if c.rollout_id == rollout_id]:
             del self._intercepted[request_id]
-        plane = self.plane
-        if plane is None:
-            return 0
-        try:
-            return plane.unregister(rollout_id)
-        except KeyError:
-            return 0
+        return cancelled
+
+    def _sync(self) -> None:
+        """Apply the records the plane has queued (a trajectory is about to be
+        read; see :meth:`Records.flush`)."""
+        records = self._records
+        if records is not None:
+            try:
+                records.flush()
+            except DataPlaneClosed:
+                pass  # stopping: run()'s exit applies what is left
 
     @property
     def calls(self) -> dict[str, int]:
@@ -421,7 +446,14 @@ class InterceptionServer:
         router = Router(error_body=_error_body)
         for prefix, app in self._mounts:
             router.mount(prefix, app)
-        return router.dispatch
+
+        async def dispatch(scope: Any, receive: Any, send: Any) -> None:
+            # A mounted app (lowwater proxy's admin and session endpoints)
+            # shows turns: the calls already answered are in them first.
+            self._sync()
+            await router.dispatch(scope, receive, send)
+
+        return dispatch
 
     async def _intercept(self, upcall: Upcall) -> bytes | None:
         """Run the ``intercept_request`` hooks on one call's body; the bytes to

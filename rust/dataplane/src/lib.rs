@@ -87,6 +87,8 @@ pub mod protocol;
 #[cfg(not(loom))]
 pub mod queue;
 #[cfg(not(loom))]
+pub mod readable;
+#[cfg(not(loom))]
 pub mod rewrite;
 #[cfg(not(loom))]
 pub mod rollouts;
@@ -120,6 +122,9 @@ pub use queue::{CompletionQueue, RequestDelta, Timings, TurnRecord, Verdict};
 pub use rewrite::Rewrites;
 #[cfg(not(loom))]
 pub use rollouts::RolloutTable;
+/// How long a record released without the ack may wait for its batch's wakeup.
+#[cfg(not(loom))]
+pub use server::RELEASED_RECORD_DELAY;
 #[cfg(not(loom))]
 pub use upcall::{AnswerError, Intercept, Upcall, UpcallKind, Upcalls};
 

@@ -60,6 +60,18 @@ pub struct Config {
     /// Hold each call's last bytes until the control plane acks its record
     /// (true).  Off, they go out as soon as the record is queued.
     pub hold_for_ack: bool,
+    /// With `hold_for_ack`, hold only the calls whose record needs the
+    /// control plane's verdict (false: hold every call).  A call's last
+    /// bytes go out as soon as its record is queued when its protocol
+    /// [`reads_any_json`](crate::ProtocolSpec::reads_any_json), it was not
+    /// handed to the control plane as an intercept upcall (its
+    /// `intercept_response` hooks run before the ack), and its answer is
+    /// JSON (each event's data, for a stream) or an error the verdict cannot
+    /// change.  Such records reach the wakeup fd in batches, at most
+    /// [`RELEASED_RECORD_DELAY`](crate::RELEASED_RECORD_DELAY) after the
+    /// first, not one wakeup per call; a control plane that shows turns
+    /// must drain before it reads them (the Python side's `Records.flush`).
+    pub release_when_readable: bool,
     /// Tokio worker threads ([`default_worker_threads`]: 1 on two cores or
     /// fewer, else 2): a bounded runtime, so the data plane's allocator
     /// caches are per a fixed few threads.
@@ -98,6 +110,7 @@ impl std::fmt::Debug for Config {
             .field("upstream_key", &self.upstream_key.as_ref().map(|_| "<redacted>"))
             .field("max_body_bytes", &self.max_body_bytes)
             .field("hold_for_ack", &self.hold_for_ack)
+            .field("release_when_readable", &self.release_when_readable)
             .field("worker_threads", &self.worker_threads)
             .field("table", &self.table.as_ref().map(|t| t.stats()))
             .finish_non_exhaustive()
@@ -154,6 +167,7 @@ impl Config {
             max_concurrency: 1024,
             pool_idle_timeout: Duration::from_secs(5),
             hold_for_ack: true,
+            release_when_readable: false,
             worker_threads: default_worker_threads(),
             table: None,
             rewrites: HashMap::new(),
@@ -213,6 +227,9 @@ pub struct Stats {
     pub queued: usize,
     /// Records whose call still holds its last bytes for an ack.
     pub awaiting_ack: usize,
+    /// Calls recorded whose last bytes went out without waiting for the ack
+    /// ([`Config::release_when_readable`]), since start.
+    pub released: u64,
     /// Calls received on a protocol route (any outcome).
     pub calls: u64,
     /// Calls recorded with a 2xx answer.
@@ -319,6 +336,7 @@ impl DataPlane {
             max_response_bytes: config.max_response_bytes,
             body_read_timeout: config.body_read_timeout,
             hold_for_ack: config.hold_for_ack,
+            release_when_readable: config.release_when_readable,
             rewrites: arc_swap::ArcSwap::from_pointee(rewrites),
             counters: Counters::default(),
             upcalls,
@@ -430,6 +448,7 @@ impl DataPlane {
             connections: get(&c.connections),
             queued: sh.queue.len(),
             awaiting_ack: sh.queue.awaiting_ack(),
+            released: get(&c.released),
             calls: get(&c.calls),
             ok: get(&c.ok),
             failed: get(&c.failed),

@@ -101,6 +101,15 @@ pub struct ProtocolSpec {
     /// chat also the deprecated `functions`), copied into the record as sent
     /// for the Python protocol's `tools()` to read.
     pub tools: Vec<String>,
+    /// The control plane reads any JSON answer of this protocol without an
+    /// error (its Python `completion` and stream accumulator never raise on
+    /// JSON), so an answer the plane finds to be JSON (each event's data,
+    /// for a stream) needs no verdict: with
+    /// [`Config::release_when_readable`](crate::Config::release_when_readable)
+    /// its last bytes go out once its record is queued, without waiting for
+    /// the ack.  False for a protocol whose reader may fail on odd JSON: its
+    /// answers wait for the control plane's verdict.
+    pub reads_any_json: bool,
 }
 
 fn field(name: &str, kind: FieldKind, required: bool) -> FieldRule {
@@ -122,6 +131,7 @@ impl ProtocolSpec {
             },
             fields: vec![field("model", FieldKind::String, true)],
             tools: vec!["tools".into(), "functions".into()],
+            reads_any_json: true,
         }
     }
 
@@ -138,6 +148,7 @@ impl ProtocolSpec {
             messages: MessagesRule { key: "input".into(), allow_string: true, roles: Vec::new() },
             fields: vec![field("model", FieldKind::String, true)],
             tools: vec!["tools".into()],
+            reads_any_json: true,
         }
     }
 
@@ -159,6 +170,7 @@ impl ProtocolSpec {
                 field("system", FieldKind::StringOrArray, false),
             ],
             tools: vec!["tools".into()],
+            reads_any_json: true,
         }
     }
 }

@@ -21,7 +21,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use bytes::Bytes;
@@ -117,6 +117,8 @@ pub struct CompletionQueue {
     acks: Mutex<HashMap<u64, oneshot::Sender<Verdict>, foldhash::fast::RandomState>>,
     next_seq: AtomicU64,
     wakeup: Wakeup,
+    /// The wakeup fd was written since the last drain.
+    signalled: AtomicBool,
 }
 
 impl CompletionQueue {
@@ -131,6 +133,7 @@ impl CompletionQueue {
             acks: Mutex::new(HashMap::default()),
             next_seq: AtomicU64::new(0),
             wakeup,
+            signalled: AtomicBool::new(false),
         })
     }
 
@@ -146,8 +149,13 @@ impl CompletionQueue {
     }
 
     /// Queue `record`; with `ack`, the caller's held bytes wait for
-    /// [`CompletionQueue::ack`] of `record.seq`.
-    pub(crate) fn push(&self, record: TurnRecord, ack: Option<oneshot::Sender<Verdict>>) {
+    /// [`CompletionQueue::ack`] of `record.seq` and the wakeup fd is written
+    /// at once (unless it was since the last drain).  Without, the fd is
+    /// left alone: `true` means the record landed on an empty queue and the
+    /// caller must see to a [`CompletionQueue::wake`] soon (the data plane
+    /// batches released records: one wakeup per batch, not per call).
+    pub(crate) fn push(&self, record: TurnRecord, ack: Option<oneshot::Sender<Verdict>>) -> bool {
+        let held = ack.is_some();
         if let Some(ack) = ack {
             // Before the record is visible, so an ack right after drain finds it.
             self.lock_acks().insert(record.seq, ack);
@@ -158,13 +166,27 @@ impl CompletionQueue {
             q.push_back(record);
             was_empty
         };
-        if was_empty {
+        if held {
+            // A released record may wait on the queue for its batch's wakeup;
+            // a held call must not wait with it.
+            self.wake();
+            return false;
+        }
+        was_empty
+    }
+
+    /// Make the wakeup fd readable, unless it was since the last drain.
+    pub fn wake(&self) {
+        if !self.signalled.swap(true, Ordering::AcqRel) {
             self.wakeup.wake();
         }
     }
 
     /// Every waiting record, oldest first (clears the wakeup fd first).
     pub fn drain(&self) -> Vec<TurnRecord> {
+        // Before the fd is cleared: a push from here on writes it again (at
+        // worst one wakeup that finds the queue empty), never none.
+        self.signalled.store(false, Ordering::Release);
         self.wakeup.clear();
         // The queue's buffer leaves with the records (no copy, no capacity
         // kept): the next push starts an empty queue.
@@ -354,13 +376,32 @@ mod tests {
     fn wakeup_fd_follows_the_queue() {
         let q = CompletionQueue::new().unwrap();
         assert!(!readable(q.wakeup_fd()));
-        q.push(record(&q), None);
-        q.push(record(&q), None);
+        // Released records leave the fd to the caller: the first one says so.
+        assert!(q.push(record(&q), None));
+        assert!(!q.push(record(&q), None));
+        assert!(!readable(q.wakeup_fd()));
+        q.wake();
         assert!(readable(q.wakeup_fd()));
         let got = q.drain();
         assert_eq!(got.iter().map(|r| r.seq).collect::<Vec<_>>(), [0, 1]);
         assert!(!readable(q.wakeup_fd()), "drain clears the fd");
         assert!(q.drain().is_empty());
+    }
+
+    #[test]
+    fn a_held_record_wakes_at_once_even_behind_released_ones() {
+        let q = CompletionQueue::new().unwrap();
+        assert!(q.push(record(&q), None)); // its batch's wakeup is still to come
+        let (tx, _rx) = oneshot::channel();
+        assert!(!q.push(record(&q), Some(tx)));
+        assert!(readable(q.wakeup_fd()), "the held call does not wait for the batch");
+        assert_eq!(q.drain().len(), 2);
+        // Another held record after the drain writes the fd again.
+        let (tx, _rx2) = oneshot::channel();
+        q.push(record(&q), Some(tx));
+        assert!(readable(q.wakeup_fd()));
+        q.drain();
+        q.release_all();
     }
 
     #[test]

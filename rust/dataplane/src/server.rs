@@ -66,6 +66,8 @@ pub(crate) struct Counters {
     pub(crate) disconnected: AtomicU64,
     pub(crate) refused: AtomicU64,
     pub(crate) trims: crate::trim::TrimCount,
+    /// Recorded calls not held for the ack although `hold_for_ack` is on.
+    pub(crate) released: AtomicU64,
     /// Client connections ended and rollouts unregistered: memory freed
     /// outside a call.  The trimmer watches it beside `calls`; counting calls
     /// alone missed a burst's connections closing after its last call (a
@@ -89,6 +91,7 @@ pub(crate) struct Shared {
     pub(crate) max_response_bytes: usize,
     pub(crate) body_read_timeout: Duration,
     pub(crate) hold_for_ack: bool,
+    pub(crate) release_when_readable: bool,
     /// Request rewrites by protocol id (`None`: forward the agent's bytes);
     /// replaced whole by `DataPlane::set_rewrites`, a call keeping the set it
     /// started with.
@@ -326,7 +329,8 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
     // The call's id from here: an intercept upcall carries it, as its record will.
     let n = sh.next_request.fetch_add(1, Ordering::Relaxed);
     let request_id: Arc<str> = Arc::from(format!("{}{n}", sh.request_prefix));
-    let (body, parsed) = if sh.upcalls.intercepts(pid) {
+    let intercepted = sh.upcalls.intercepts(pid);
+    let (body, parsed) = if intercepted {
         // A hook's body is rewritten like the agent's: keep its spans too.
         let reparse = |b: &[u8]| if rewriting { spec.parse_keeping_spans(b) } else { spec.parse(b) };
         let call = crate::upcall::Intercepted { request_id: &request_id, headers: hook_headers, body };
@@ -394,6 +398,7 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
         streamed: parsed.stream,
         delta: Some(delta),
         tools: parsed.tools.map(Bytes::from),
+        intercepted,
         start,
         started_s,
         _held: held,
@@ -430,6 +435,9 @@ struct Call {
     streamed: bool,
     delta: Option<RequestDelta>,
     tools: Option<Bytes>,
+    /// Handed to the control plane as an intercept upcall: its
+    /// `intercept_response` hooks run before the ack, so it is always held.
+    intercepted: bool,
     start: Instant,
     started_s: f64,
     /// The request body in the intercept table, discarded when the call ends
@@ -457,7 +465,7 @@ impl Drop for Call {
         if self.armed {
             bump(&self.sh.counters.disconnected);
             let upstream_s = self.start.elapsed().as_secs_f64();
-            if self.commit(CLIENT_CLOSED, Bytes::new(), Some(DISCONNECTED.into()), upstream_s).is_err() {
+            if self.commit(CLIENT_CLOSED, Bytes::new(), Some(DISCONNECTED.into()), upstream_s, false).is_err() {
                 // Unregistered meanwhile: nothing to record.
                 self.armed = false;
             }
@@ -484,7 +492,7 @@ impl Call {
             Ok(a) => a,
             Err(e) => {
                 let reason = e.reason();
-                return match self.commit(e.status(), Bytes::new(), Some(reason.clone()), 0.0) {
+                return match self.commit(e.status(), Bytes::new(), Some(reason.clone()), 0.0, true) {
                     Err(Cancelled) => self.closed(),
                     Ok(ack) => {
                         // Failed already: a verdict cannot make it worse.
@@ -525,7 +533,9 @@ impl Call {
             Ok(bytes) => (status.as_u16(), bytes, None),
             Err(e) => (e.status(), Bytes::new(), Some(e.reason())),
         };
-        match self.commit(status, bytes.clone(), err.clone(), upstream_s) {
+        // The control plane fails only a 2xx answer it cannot parse.
+        let readable = err.is_some() || !(200..300).contains(&status) || crate::readable::is_json(&bytes);
+        match self.commit(status, bytes.clone(), err.clone(), upstream_s, readable) {
             Err(Cancelled) => self.closed(),
             Ok(ack) => {
                 let verdict = wait(ack).await;
@@ -551,15 +561,21 @@ impl Call {
 
     /// Record the turn (under the rollout's lock: see `lifecycle`), returning
     /// what to wait on before the last bytes go out.
+    ///
+    /// `readable`: the answer is one the control plane can read without an
+    /// error (JSON; each event's data, for a stream), or an error no verdict
+    /// changes; with `release_when_readable` such a call is not held.
     fn commit(
         &mut self,
         status: u16,
         response: Bytes,
         error: Option<String>,
         upstream_s: f64,
+        readable: bool,
     ) -> Result<Option<oneshot::Receiver<Verdict>>, Cancelled> {
         let sh = &self.sh;
-        let (ack_tx, ack_rx) = if sh.hold_for_ack {
+        let release = sh.release_when_readable && readable && self.spec.reads_any_json && !self.intercepted;
+        let (ack_tx, ack_rx) = if sh.hold_for_ack && !release {
             let (t, r) = oneshot::channel();
             (Some(t), Some(r))
         } else {
@@ -582,7 +598,13 @@ impl Call {
         };
         self.armed = false;
         let queue: &CompletionQueue = &sh.queue;
-        self.rollout.calls.commit(self.id, || queue.push(record, ack_tx))?;
+        let batch_starts = self.rollout.calls.commit(self.id, || queue.push(record, ack_tx))?;
+        if batch_starts {
+            wake_later(sh);
+        }
+        if sh.hold_for_ack && release {
+            bump(&sh.counters.released);
+        }
         bump(if ok { &sh.counters.ok } else { &sh.counters.failed });
         Ok(ack_rx)
     }
@@ -658,7 +680,8 @@ impl Call {
             acc.extend_from_slice(split.pending());
             error.get_or_insert_with(|| "upstream stream ended before its terminal event".into());
         }
-        let out = match self.commit(status, acc.freeze(), error.clone(), upstream_s) {
+        let readable = error.is_some() || split.all_json();
+        let out = match self.commit(status, acc.freeze(), error.clone(), upstream_s, readable) {
             Err(Cancelled) => return self.stream_closed(&tx).await,
             Ok(ack) => {
                 let verdict = tokio::select! {
@@ -698,6 +721,29 @@ fn keep(fed: &Fed, acc: &mut BytesMut, held: &mut BytesMut) {
     if let Some(t) = &fed.terminal {
         acc.extend_from_slice(t);
         held.extend_from_slice(t);
+    }
+}
+
+/// How long a released record (one whose call did not wait for the ack)
+/// may wait on the queue before the wakeup fd says so: the records of the
+/// calls released meanwhile go with it, one wakeup of the control plane per
+/// batch, not per call.  With a wakeup per call the Python thread's work
+/// competed with the agents and the upstream for the cores on every call
+/// (benches/README.md); 5 ms bounds what a batch holds to 5 ms of calls.
+pub const RELEASED_RECORD_DELAY: Duration = Duration::from_millis(5);
+
+/// Write the wakeup fd [`RELEASED_RECORD_DELAY`] from now (at once outside
+/// a runtime: a call dropped while the runtime shuts down).
+fn wake_later(sh: &Arc<Shared>) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(rt) => {
+            let sh = Arc::clone(sh);
+            rt.spawn(async move {
+                tokio::time::sleep(RELEASED_RECORD_DELAY).await;
+                sh.queue.wake();
+            });
+        }
+        Err(_) => sh.queue.wake(),
     }
 }
 

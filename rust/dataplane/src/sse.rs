@@ -32,6 +32,9 @@ pub struct SseSplitter {
     scan: usize,
     held_cr: bool,
     seen_terminal: bool,
+    /// Every event so far, up to the terminal one, carried data the control
+    /// plane can parse as JSON (or was the `[DONE]` marker).
+    all_json: bool,
 }
 
 #[derive(Deserialize)]
@@ -43,7 +46,18 @@ struct TypeOnly<'a> {
 impl SseSplitter {
     /// A splitter that watches for `terminal`.
     pub fn new(terminal: Terminal) -> Self {
-        SseSplitter { terminal, buf: BytesMut::new(), scan: 0, held_cr: false, seen_terminal: false }
+        SseSplitter { terminal, buf: BytesMut::new(), scan: 0, held_cr: false, seen_terminal: false, all_json: true }
+    }
+
+    /// Whether every event up to the terminal one (comment-only blocks
+    /// aside) had JSON data, or was the terminal `data:` marker: then the
+    /// Python protocols that read any JSON (`reads_any_json`) read the stream
+    /// without an error, as `lowwater.interception.dataplane` feeds it (one
+    /// `orjson.loads` per event, none after the terminal).  Stricter than
+    /// orjson where they differ (serde_json nests at most 128 deep), never
+    /// looser: a stream this calls readable is one Python can read.
+    pub fn all_json(&self) -> bool {
+        self.all_json
     }
 
     /// Whether the terminal event has arrived.
@@ -80,7 +94,9 @@ impl SseSplitter {
             let block = &self.buf[start..end + 2];
             start = end + 2;
             self.scan = start;
-            if self.is_terminal(block) {
+            let (terminal, json) = self.classify(block);
+            self.all_json &= json;
+            if terminal {
                 terminal_at = Some(start - block.len());
                 break;
             }
@@ -114,7 +130,11 @@ impl SseSplitter {
         &self.buf
     }
 
-    fn is_terminal(&self, block: &[u8]) -> bool {
+    /// Whether `block` is the terminal event, and whether the control plane
+    /// can read it (JSON data, the terminal marker, or a comment-only block,
+    /// which Python's parser drops).
+    fn classify(&self, block: &[u8]) -> (bool, bool) {
+        // Lossy as Python's parser decodes (errors="replace").
         let text = String::from_utf8_lossy(block);
         let mut name: Option<&str> = None;
         let mut data: Vec<&str> = Vec::new();
@@ -130,17 +150,27 @@ impl SseSplitter {
                 _ => {}
             }
         }
-        match &self.terminal {
-            Terminal::Data(t) => !data.is_empty() && data.join("\n").trim() == t,
+        if name.is_none() && data.is_empty() {
+            return (false, true);
+        }
+        let joined = data.join("\n");
+        let terminal = match &self.terminal {
+            Terminal::Data(t) => {
+                if !data.is_empty() && joined.trim() == t {
+                    return (true, true);
+                }
+                false
+            }
             Terminal::Types(types) => match name {
                 Some(n) => types.iter().any(|t| t == n),
-                None if !data.is_empty() => serde_json::from_str::<TypeOnly<'_>>(&data.join("\n"))
+                None if !data.is_empty() => serde_json::from_str::<TypeOnly<'_>>(&joined)
                     .ok()
                     .and_then(|t| t.kind)
                     .is_some_and(|k| types.iter().any(|t| *t == k)),
                 None => false,
             },
-        }
+        };
+        (terminal, crate::readable::is_json(joined.as_bytes()))
     }
 }
 
@@ -195,6 +225,33 @@ mod tests {
         let mut s = SseSplitter::new(Terminal::Types(vec!["message_stop".into()]));
         let f = s.feed(b"data: {\"type\":\"message_stop\"}\n\n");
         assert!(f.relay.is_empty() && f.terminal.is_some());
+    }
+
+    #[test]
+    fn all_json_until_the_terminal_event() {
+        // Comments, JSON data, the [DONE] marker: readable; what follows the terminal is not read.
+        let mut s = chat();
+        s.feed(b": keep-alive\n\ndata: {\"a\":1}\n\ndata: [1, 2]\n\ndata: [DONE]\n\ndata: not json\n\n");
+        assert!(s.seen_terminal() && s.all_json());
+        // Data that is not JSON, an event with a name and no data, data split over lines that
+        // does not join into JSON: each is unreadable (Python's orjson.loads raises on it).
+        for bad in [&b"data: {\"a\"\n\n"[..], b"event: ping\n\n", b"data: {\"a\":\ndata: 1\n\n", b"data: \xff\n\n"] {
+            let mut s = chat();
+            s.feed(bad);
+            s.feed(b"data: [DONE]\n\n");
+            assert!(s.seen_terminal() && !s.all_json(), "{:?}", String::from_utf8_lossy(bad));
+        }
+        // Multi-line data joined with a newline is one JSON value.
+        let mut s = chat();
+        s.feed(b"data: {\"a\":\ndata: 1}\n\ndata: [DONE]\n\n");
+        assert!(s.all_json());
+        // A typed terminal event is read too: its data must be JSON.
+        let mut s = SseSplitter::new(Terminal::Types(vec!["message_stop".into()]));
+        s.feed(b"event: message_stop\ndata: stop\n\n");
+        assert!(s.seen_terminal() && !s.all_json());
+        let mut s = SseSplitter::new(Terminal::Types(vec!["message_stop".into()]));
+        s.feed(b"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n");
+        assert!(s.seen_terminal() && s.all_json());
     }
 
     #[test]

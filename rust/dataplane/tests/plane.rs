@@ -97,6 +97,8 @@ async fn upstream_answer(req: Request<Incoming>, n: Arc<AtomicU64>) -> Response<
         "stream-quiet" => sse(vec!["data: {\"i\":1}\n\n"], true, true),
         "hang" => std::future::pending().await,
         "fail" => full(500, "application/json", "{\"error\":\"boom\"}"),
+        "not-json" => full(200, "application/json", "{\"cut"),
+        "stream-bad" => sse(vec!["data: {\"i\":1}\n\n", "data: {\"i\"\n\n", "data: [DONE]\n\n"], false, false),
         _ => {
             if model == "jitter" {
                 let k = n.fetch_add(1, Ordering::Relaxed) % 5;
@@ -495,6 +497,17 @@ fn stream_frames(h: &Harness, req: Request<Full<Bytes>>) -> (u16, mpsc::Unbounde
     (status, rx)
 }
 
+/// Send `req` on `rt` in the background; its status once answered.
+fn spawn_call(h: &Harness, req: Request<Full<Bytes>>) -> tokio::task::JoinHandle<u16> {
+    let c = h.client.clone();
+    h.rt.spawn(async move {
+        let r = c.request(req).await.unwrap();
+        let status = r.status().as_u16();
+        let _ = r.into_body().collect().await;
+        status
+    })
+}
+
 fn read_until(h: &Harness, rx: &mut mpsc::UnboundedReceiver<Bytes>, seen: &mut Vec<u8>, needle: &str) {
     h.rt.block_on(async {
         while !String::from_utf8_lossy(seen).contains(needle) {
@@ -572,6 +585,91 @@ fn stream_relays_events_and_holds_the_terminal_one_until_acked() {
     read_until(&h, &mut rx, &mut seen, "data: [DONE]\n\n");
     assert_eq!(&seen[..], &rec.response[..], "the agent got exactly the upstream's events");
     h.wait_stats("the relay ended", |s| s.active_calls == 0 && s.ok == 1);
+}
+
+/// With `release_when_readable`, a call whose answer is JSON goes out without
+/// the ack and its record still reaches the queue (its batch's wakeup comes
+/// within `RELEASED_RECORD_DELAY`); one the control plane may fail waits.
+#[test]
+fn readable_answers_go_out_without_the_ack_and_others_wait_for_it() {
+    let h = harness(|c| c.release_when_readable = true);
+    h.plane.register("r", "s").unwrap();
+    // Nobody acks: a held call would hang, so each call is bounded.
+    let bounded = |req: Request<Full<Bytes>>| {
+        let c = h.client.clone();
+        h.rt.block_on(async move {
+            tokio::time::timeout(Duration::from_secs(10), async move {
+                let r = c.request(req).await.unwrap();
+                let status = r.status().as_u16();
+                (status, r.into_body().collect().await.unwrap().to_bytes())
+            })
+            .await
+            .expect("a readable answer waited for the ack")
+        })
+    };
+    let chat = |model: &str, stream: bool| {
+        request(h.addr(), "/v1/chat/completions", &[("authorization", "Bearer s")], chat_body(model, stream, &["hi"]))
+    };
+    let (status, body) = bounded(chat("echo", false));
+    assert_eq!((status, body), (200, body_of("echo")));
+    let (status, body) = bounded(chat("stream", true));
+    assert_eq!(status, 200);
+    assert_eq!(&body[..], b"data: {\"i\":1}\n\ndata: {\"i\":2}\n\ndata: [DONE]\n\n");
+    // An upstream failure: no verdict changes it.
+    h.plane.register("f", "sf").unwrap();
+    let req =
+        request(h.addr(), "/v1/chat/completions", &[("authorization", "Bearer sf")], chat_body("fail", false, &["x"]));
+    assert_eq!(bounded(req).0, 502);
+    let mut recs = Vec::new();
+    while recs.len() < 3 {
+        recs.extend(next_records(&h.plane));
+    }
+    assert_eq!(recs.iter().map(|r| r.status).collect::<Vec<_>>(), [200, 200, 502]);
+    assert_eq!((h.plane.stats().awaiting_ack, h.plane.stats().released), (0, 3));
+
+    // Not JSON: held for the control plane's verdict, as without the option.
+    let mut answer = spawn_call(&h, chat("not-json", false));
+    let rec = next_records(&h.plane).remove(0);
+    assert_eq!(h.plane.stats().awaiting_ack, 1);
+    let early = h.rt.block_on(async { tokio::time::timeout(Duration::from_millis(200), &mut answer).await });
+    assert!(early.is_err(), "an unreadable answer went out before its verdict: {early:?}");
+    assert!(h.plane.queue().fail(rec.seq, 502, "not a response object"));
+    assert_eq!(h.rt.block_on(answer).unwrap(), 502);
+    h.wait_stats("the failed call ended", |s| s.awaiting_ack == 0 && s.active_calls == 0);
+    // A stream with an event that is not JSON: its terminal event waits too.
+    let (status, mut rx) = stream_frames(&h, chat("stream-bad", true));
+    assert_eq!(status, 200);
+    let mut seen = Vec::new();
+    read_until(&h, &mut rx, &mut seen, "{\"i\"\n\n");
+    let rec = next_records(&h.plane).remove(0);
+    let early = h.rt.block_on(async { tokio::time::timeout(Duration::from_millis(200), rx.recv()).await });
+    assert!(early.is_err(), "the terminal event went out before the verdict: {early:?}");
+    assert!(h.plane.queue().ack(rec.seq));
+    read_until(&h, &mut rx, &mut seen, "data: [DONE]\n\n");
+    let s = h.wait_stats("the stream ended", |s| s.awaiting_ack == 0 && s.active_calls == 0);
+    assert_eq!(s.released, 3, "the two held calls are not counted");
+}
+
+/// A protocol whose reader may fail on odd JSON keeps every answer for the verdict.
+#[test]
+fn a_protocol_that_does_not_read_any_json_is_always_held() {
+    let h = harness(|c| {
+        c.release_when_readable = true;
+        let mut chat = lowwater_dataplane::ProtocolSpec::openai_chat();
+        chat.reads_any_json = false;
+        c.protocols = lowwater_dataplane::ProtocolTable::new(vec![chat]).unwrap();
+    });
+    h.plane.register("r", "s").unwrap();
+    let req =
+        request(h.addr(), "/v1/chat/completions", &[("authorization", "Bearer s")], chat_body("echo", false, &["hi"]));
+    let mut answer = spawn_call(&h, req);
+    let rec = next_records(&h.plane).remove(0);
+    assert_eq!(h.plane.stats().awaiting_ack, 1);
+    let early = h.rt.block_on(async { tokio::time::timeout(Duration::from_millis(200), &mut answer).await });
+    assert!(early.is_err(), "released without the verdict: {early:?}");
+    assert!(h.plane.queue().ack(rec.seq));
+    assert_eq!(h.rt.block_on(answer).unwrap(), 200);
+    h.wait_stats("the call ended", |s| s.awaiting_ack == 0 && s.active_calls == 0);
 }
 
 #[test]

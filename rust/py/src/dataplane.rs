@@ -223,6 +223,7 @@ impl DataPlane {
         max_concurrency = 1024,
         pool_idle_timeout_s = 5.0,
         hold_for_ack = true,
+        release_when_readable = false,
         worker_threads = None,
         table = None,
         protocols = None,
@@ -248,6 +249,7 @@ impl DataPlane {
         max_concurrency: usize,
         pool_idle_timeout_s: f64,
         hold_for_ack: bool,
+        release_when_readable: bool,
         worker_threads: Option<usize>,
         table: Option<Py<InterceptTable>>,
         protocols: Option<Vec<WireSpec>>,
@@ -270,6 +272,7 @@ impl DataPlane {
             config.max_concurrency = max_concurrency;
             config.pool_idle_timeout = secs("pool_idle_timeout_s", pool_idle_timeout_s)?;
             config.hold_for_ack = hold_for_ack;
+            config.release_when_readable = release_when_readable;
             if let Some(n) = worker_threads {
                 config.worker_threads = n;
             }
@@ -422,6 +425,7 @@ impl DataPlane {
         d.set_item("connections", s.connections)?;
         d.set_item("queued", s.queued)?;
         d.set_item("awaiting_ack", s.awaiting_ack)?;
+        d.set_item("released", s.released)?;
         d.set_item("calls", s.calls)?;
         d.set_item("ok", s.ok)?;
         d.set_item("failed", s.failed)?;

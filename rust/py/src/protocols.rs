@@ -25,6 +25,7 @@ pub(crate) struct WireSpec {
     tools: Vec<String>,
     terminal_data: Option<String>,
     terminal_types: Vec<String>,
+    reads_any_json: bool,
 }
 
 fn bad(name: &str, why: String) -> PyErr {
@@ -64,6 +65,7 @@ impl WireSpec {
             messages: MessagesRule { key: self.messages, allow_string: self.string_input, roles: self.roles },
             fields,
             tools: self.tools,
+            reads_any_json: self.reads_any_json,
         })
     }
 }
@@ -127,6 +129,7 @@ pub(crate) fn spec_dict<'py>(py: Python<'py>, spec: &ProtocolSpec) -> PyResult<B
     });
     d.set_item("fields", PyTuple::new(py, fields)?)?;
     d.set_item("tools", PyTuple::new(py, &spec.tools)?)?;
+    d.set_item("reads_any_json", spec.reads_any_json)?;
     match &spec.terminal {
         Terminal::Data(data) => {
             d.set_item("terminal_data", data)?;
