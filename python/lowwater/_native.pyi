@@ -441,7 +441,9 @@ class DataPlane:
         max_backoff_s: longest backoff and cap on a ``Retry-After`` (seconds).
         max_concurrency: upstream calls at once; more wait for a slot.
         pool_idle_timeout_s: idle upstream connections close after this (seconds).
-        hold_for_ack: hold each call's last bytes until :meth:`ack`.
+        hold_for_ack: hold each call's last bytes until :meth:`ack` (off:
+            records reach the wakeup fd in batches, at most 5 ms after the
+            batch's first).
         release_when_readable: with ``hold_for_ack``, hold only the calls
             that need a verdict: those of a protocol whose spec has
             ``reads_any_json`` false, those handed over as ``"intercept"``

@@ -58,7 +58,8 @@ pub struct Config {
     /// Idle upstream connections are closed after this (5 s).
     pub pool_idle_timeout: Duration,
     /// Hold each call's last bytes until the control plane acks its record
-    /// (true).  Off, they go out as soon as the record is queued.
+    /// (true).  Off, they go out as soon as the record is queued, and records
+    /// reach the wakeup fd in batches as released ones do (below).
     pub hold_for_ack: bool,
     /// With `hold_for_ack`, hold only the calls whose record needs the
     /// control plane's verdict (false: hold every call).  A call's last
