@@ -156,6 +156,7 @@ class Records:
                 return
             if self._error is not None:
                 error, self._error = self._error, None
+                self._ack_awaiting()  # no loop is left to await them
                 raise error
             while self._awaiting:
                 record, pending = self._awaiting.popleft()
@@ -163,9 +164,7 @@ class Records:
                     verdict = await pending
                 except BaseException:
                     self.plane.ack(record.seq)
-                    for held, _ in self._awaiting:
-                        self.plane.ack(held.seq)
-                    self._awaiting.clear()
+                    self._ack_awaiting()
                     raise
                 self._release(record, verdict)
 
@@ -194,6 +193,12 @@ class Records:
             self._flush(wake=False)
         except DataPlaneClosed:
             pass
+        self._ack_awaiting()
+        self._error = None
+
+    def _ack_awaiting(self) -> None:
+        """Ack the records whose awaitable will not be awaited (their calls
+        get their answer; their hooks do not run)."""
         while self._awaiting:
             record, pending = self._awaiting.popleft()
             close = getattr(pending, "close", None)
@@ -203,7 +208,6 @@ class Records:
                 self.plane.ack(record.seq)
             except DataPlaneClosed:
                 pass
-        self._error = None
 
     def _flush(self, *, wake: bool) -> None:
         """Drain and apply; ``wake``: make :meth:`serve` run for what this
