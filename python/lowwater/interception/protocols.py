@@ -310,17 +310,10 @@ def _index(value: Any) -> int:
 def _logprob(value: Any) -> float:
     """A logprob as a float; NaN for what is not a number (``float("x")``
     raised and failed the call)."""
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, (int, float)):
+    if isinstance(value, (int, float, str)):
         try:
             return float(value)
-        except OverflowError:  # an int past a double's range
-            return math.nan
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
+        except (OverflowError, ValueError):  # an int past a double's range, a str not a number
             return math.nan
     return math.nan
 

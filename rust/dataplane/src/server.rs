@@ -533,8 +533,17 @@ impl Call {
             Ok(bytes) => (status.as_u16(), bytes, None),
             Err(e) => (e.status(), Bytes::new(), Some(e.reason())),
         };
-        // The control plane fails only a 2xx answer it cannot parse.
-        let readable = err.is_some() || !(200..300).contains(&status) || crate::readable::is_json(&bytes);
+        // The control plane fails only a 2xx answer it cannot parse.  Checked
+        // only when the check can release the call; a large answer's parse
+        // (up to max_response_bytes) off the worker's other calls, as its copy.
+        let readable = self.may_release()
+            && (err.is_some()
+                || !(200..300).contains(&status)
+                || if bytes.len() >= BLOCKING_COPY_BYTES {
+                    tokio::task::block_in_place(|| crate::readable::is_json(&bytes))
+                } else {
+                    crate::readable::is_json(&bytes)
+                });
         match self.commit(status, bytes.clone(), err.clone(), upstream_s, readable) {
             Err(Cancelled) => self.closed(),
             Ok(ack) => {
@@ -559,6 +568,11 @@ impl Call {
         }
     }
 
+    /// Whether this call may go out without the ack, if its answer is readable.
+    fn may_release(&self) -> bool {
+        self.sh.release_when_readable && self.spec.reads_any_json && !self.intercepted
+    }
+
     /// Record the turn (under the rollout's lock: see `lifecycle`), returning
     /// what to wait on before the last bytes go out.
     ///
@@ -574,7 +588,7 @@ impl Call {
         readable: bool,
     ) -> Result<Option<oneshot::Receiver<Verdict>>, Cancelled> {
         let sh = &self.sh;
-        let release = sh.release_when_readable && readable && self.spec.reads_any_json && !self.intercepted;
+        let release = readable && self.may_release();
         let (ack_tx, ack_rx) = if sh.hold_for_ack && !release {
             let (t, r) = oneshot::channel();
             (Some(t), Some(r))
@@ -622,7 +636,8 @@ impl Call {
         let timeout = self.sh.upstream.timeout;
         let (response, permit) = (answer.response, answer._permit);
         let mut body = response.into_body();
-        let mut split = SseSplitter::new(self.spec.terminal.clone());
+        // The JSON check of each event only where it can release the call.
+        let mut split = SseSplitter::new(self.spec.terminal.clone()).with_json_check(self.may_release());
         let (mut acc, mut held) = (BytesMut::new(), BytesMut::new());
         let mut error: Option<String> = None;
         loop {

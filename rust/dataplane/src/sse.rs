@@ -35,6 +35,8 @@ pub struct SseSplitter {
     /// Every event so far, up to the terminal one, carried data the control
     /// plane can parse as JSON (or was the `[DONE]` marker).
     all_json: bool,
+    /// Check each event's data (on by default; off, `all_json` stays true).
+    check_json: bool,
 }
 
 #[derive(Deserialize)]
@@ -46,7 +48,23 @@ struct TypeOnly<'a> {
 impl SseSplitter {
     /// A splitter that watches for `terminal`.
     pub fn new(terminal: Terminal) -> Self {
-        SseSplitter { terminal, buf: BytesMut::new(), scan: 0, held_cr: false, seen_terminal: false, all_json: true }
+        SseSplitter {
+            terminal,
+            buf: BytesMut::new(),
+            scan: 0,
+            held_cr: false,
+            seen_terminal: false,
+            all_json: true,
+            check_json: true,
+        }
+    }
+
+    /// Whether to check each event's data for [`SseSplitter::all_json`] (a
+    /// parse per event: off where nothing reads the answer).
+    #[must_use]
+    pub fn with_json_check(mut self, on: bool) -> Self {
+        self.check_json = on;
+        self
     }
 
     /// Whether every event up to the terminal one (comment-only blocks
@@ -170,7 +188,7 @@ impl SseSplitter {
                 None => false,
             },
         };
-        (terminal, crate::readable::is_json(joined.as_bytes()))
+        (terminal, !self.check_json || crate::readable::is_json(joined.as_bytes()))
     }
 }
 
