@@ -22,8 +22,9 @@ HTTP/1.1 client on Trio, so the figures measure the servers, not a heavy
 client; it sends non-streamed chat completions.
 
 * **Added latency** at concurrency 1: sequential calls on one keep-alive
-  connection, direct and through the proxy, interleaved in rounds; p50 and
-  p99 of each, and the difference.  With ``--forwarder`` also the
+  connection, direct and through the proxy, alternating call by call in a
+  shuffled order (seeded), in rounds; p50 and p99 of each, and the
+  difference.  With ``--forwarder`` also the
   forwarder's, and the plane's p50 beyond it (what lowwater's work per call
   adds over the hop).  With ``--plane-no-ack`` also the plane without its
   control plane on the answer's path, and the plane's p50 beyond it (what
@@ -62,6 +63,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import random
 import resource
 import secrets
 import shutil
@@ -81,6 +83,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import MIB, emit, params_of, progress, rss_bytes, target
 
 ADMIN_KEY = "bench-admin"
+# The seed of the latency phases' per-cycle order of the sides (alternating_round).
+ORDER_SEED = 20261127
 # The proxy's entry point (a variable so a diagnostic driver can wrap it):
 # main() with no argv, as the `lowwater` script calls it, so the proxy
 # re-executes itself on glibc's allocator as it does for users
@@ -358,16 +362,27 @@ def auth(rollout: dict | None) -> bytes:
 # --- phases ---------------------------------------------------------------------------
 
 
-async def alternating_round(sides: dict[str, tuple[Target, dict | None]], calls: int) -> dict[str, list[float]]:
+async def alternating_round(
+    sides: dict[str, tuple[Target, dict | None]], calls: int, rng: random.Random
+) -> dict[str, list[float]]:
     """``calls`` sequential calls per side (ms each), alternating call by call
     between the sides (each ``(target, rollout or None for no proxy)``), so
     every series sees the same moments of a noisy host (blocks of 1000 each
     way put host slowdowns on one side: added p50 read 2.18 and 3.04 ms in two
-    runs an hour apart)."""
+    runs an hour apart).  Each cycle visits the sides in a fresh order from
+    ``rng``: in a fixed order a side's periodic background work lands at the
+    same point of every cycle, so it is charged to the same side every time
+    (the plane drains its records 5 ms after a call, about one cycle of five
+    sides: in ten runs of 2026-11-27 in a fixed order the plane added
+    0.30-0.40 ms p50 and the same plane with its records left queued
+    0.16-0.24; in five shuffled runs 0.23-0.29 and 0.22-0.30)."""
     conns = {k: (Conn(t.host, t.port), t.path, auth(r)) for k, (t, r) in sides.items()}
     out: dict[str, list[float]] = {k: [] for k in sides}
+    order = list(conns)
     for i in range(calls + 5):
-        for side, (conn, path, headers) in conns.items():
+        rng.shuffle(order)
+        for side in order:
+            conn, path, headers = conns[side]
             t0 = time.perf_counter()
             status, _ = await conn.request("POST", path, REQUEST, headers)
             if i >= 5:  # the first calls warm the connections
@@ -384,12 +399,15 @@ async def latency_percentiles(
     """Per side ``(base url, its rollouts' opener or None for direct calls)``,
     the 99 percentiles (ms; ``[49]`` is p50, ``[98]`` p99) of ``calls``
     alternating chat calls, made in ``rounds`` rounds on fresh connections;
-    through a proxy or plane on one rollout, opened first and closed after."""
+    through a proxy or plane on one rollout, opened first and closed after.
+    The sides' order in each cycle is shuffled with a fixed seed
+    (:data:`ORDER_SEED`), so reruns visit them alike."""
+    rng = random.Random(ORDER_SEED)
     rollouts = {side: (await ctl.open(1))[0] if ctl else None for side, (_, ctl) in sides.items()}
     targets = {side: (Target(url, "/v1/chat/completions"), rollouts[side]) for side, (url, _) in sides.items()}
     lat: dict[str, list[float]] = {side: [] for side in sides}
     for _ in range(rounds):
-        for side, times in (await alternating_round(targets, calls // rounds)).items():
+        for side, times in (await alternating_round(targets, calls // rounds, rng)).items():
             lat[side] += times
     for side, (_, ctl) in sides.items():
         if ctl:
@@ -986,7 +1004,8 @@ def main() -> None:
 
         async def latency_phase() -> None:
             progress(
-                f"latency: {a.rounds} x {a.latency_calls // a.rounds} sequential calls each way, alternating call by call"
+                f"latency: {a.rounds} x {a.latency_calls // a.rounds} sequential calls each way, "
+                "alternating call by call in a shuffled order"
             )
             sides: dict[str, tuple[str, ProxyRollouts | PlaneChild | None]] = {"direct": (model_url, None)}
             if "proxy" in servers:
