@@ -782,20 +782,23 @@ def start(argv: list[str], *, url_on: str, env: dict | None = None) -> tuple[sub
 
 
 def build_forwarder() -> str:
-    """Build ``rust/dataplane/examples/forwarder.rs`` (release) and return its executable's path.
+    """Build ``rust/dataplane/examples/forwarder.rs`` with the extension's
+    own profile (``dist``: fat LTO, one codegen unit; Cargo.toml), so the
+    floor and the plane are compiled alike, and return its executable's path.
 
     Raises:
         RuntimeError: cargo is missing, failed, or named no executable.
     """
     root = Path(__file__).resolve().parent.parent
-    progress("building the forwarder (cargo build --release --example forwarder)")
+    progress("building the forwarder (cargo build --profile dist --example forwarder)")
     if shutil.which("cargo") is None:
         raise RuntimeError("--forwarder needs cargo (the Rust toolchain) on PATH")
     built = subprocess.run(
         [
             "cargo",
             "build",
-            "--release",
+            "--profile",
+            "dist",
             "--quiet",
             "-p",
             "lowwater-dataplane",

@@ -7,7 +7,7 @@
 //! hop is on this host, measured beside the plane in the same run
 //! (`benches/interception.py --forwarder`).
 //!
-//! `cargo run --release -p lowwater-dataplane --no-default-features --example forwarder -- http://127.0.0.1:8000 [workers]`
+//! `cargo run --profile dist -p lowwater-dataplane --no-default-features --example forwarder -- http://127.0.0.1:8000 [workers]`
 //! prints `http://127.0.0.1:PORT` on its first stdout line and serves until
 //! killed.  An upstream failure answers 502 (never a panic).
 // Under `--cfg loom` the crate has no server (tokio is not built): nothing to run.

@@ -309,8 +309,15 @@ pub fn nests_deeper_than(body: &[u8], max: usize) -> bool {
     false
 }
 
+/// A request's top-level keys (decoded; the last of duplicates, as
+/// Python's `dict` keeps) with their values as sent.  foldhash, not std's
+/// SipHash: the map is built for every call, and SipHash was the plane's
+/// largest hasher in a profile of the latency bench (randomly seeded per
+/// map, as std's is, so a body's keys cannot be chosen to collide).
+type TopLevel<'a> = HashMap<Cow<'a, str>, &'a RawValue, foldhash::fast::RandomState>;
+
 /// `null` is absent, as Python's `dict.get` reads it.
-fn present<'a>(top: &HashMap<Cow<'a, str>, &'a RawValue>, key: &str) -> Option<&'a RawValue> {
+fn present<'a>(top: &TopLevel<'a>, key: &str) -> Option<&'a RawValue> {
     top.get(key).copied().filter(|v| v.get() != "null")
 }
 
@@ -365,7 +372,7 @@ impl ProtocolSpec {
             Ok(t) => t,
             Err(e) => return bad(format!("malformed JSON: invalid UTF-8 at byte {}", e.valid_up_to())),
         };
-        let top: HashMap<Cow<'_, str>, &RawValue> = match serde_json::from_str(text) {
+        let top: TopLevel<'_> = match serde_json::from_str(text) {
             Ok(top) => top,
             Err(e) if e.is_data() => return bad("request body must be a JSON object"),
             Err(e) => return bad(format!("malformed JSON: {e}")),
@@ -426,7 +433,7 @@ impl ProtocolSpec {
     }
 
     /// The request's tool fields as one JSON object (see [`ParsedRequest::tools`]).
-    fn tool_fields(&self, top: &HashMap<Cow<'_, str>, &RawValue>) -> Option<String> {
+    fn tool_fields(&self, top: &TopLevel<'_>) -> Option<String> {
         let mut out = String::new();
         for key in &self.tools {
             if let Some(v) = present(top, key) {
