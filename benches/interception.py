@@ -50,11 +50,17 @@ client; it sends non-streamed chat completions.
   call by call; p50/p99 of each and the difference (the hooks' cost; the
   plain proxy is the "no interceptor" side, where the path is skipped).
 
+With ``--history-kib N`` the latency, throughput and interceptor phases send
+a long rollout's request instead (N KiB of earlier turns resent every call,
+:func:`with_history`): what the plane's parse, hashes, body table and copy
+cost per byte.  Its figures are reported, not judged (the latency and
+throughput targets are for the default 191-byte request).
+
 Usage: ``python benches/interception.py [--quick] [--latency-calls 2000]
 [--concurrency 256] [--calls-per-worker 20] [--rounds 2] [--rollouts 16384]
 [--phases latency,throughput,hold,interceptor] [--servers proxy,plane]
 [--plane-env NAME=VALUE] [--plane-no-trim] [--previous CHECKOUT]
-[--forwarder] [--plane-no-ack]``.
+[--forwarder] [--plane-no-ack] [--history-kib N]``.
 The last stdout line is the JSON object benches/README.md#output describes.
 """
 
@@ -122,6 +128,26 @@ REQUEST = orjson.dumps(
         ],
     }
 )
+
+# The body of the latency, throughput and interceptor phases' calls: REQUEST,
+# or with --history-kib a long rollout's (main() sets it).
+CALL = REQUEST
+
+
+def with_history(history_bytes: int) -> bytes:
+    """REQUEST with at least ``history_bytes`` of earlier turns between its
+    system and user messages: alternating user and assistant messages of
+    about 50 KB of text each, as a long agent rollout resends its whole
+    history every call (the plane parses, hashes, holds and forwards it)."""
+    request = orjson.loads(REQUEST)
+    system, user = request["messages"]
+    history: list[dict] = []
+    while sum(len(m["content"]) for m in history) < history_bytes:
+        role = "assistant" if len(history) % 2 else "user"
+        words = min(10_000, max(1, (history_bytes - sum(len(m["content"]) for m in history)) // 5))
+        history.append({"role": role, "content": "word " * words})
+    request["messages"] = [system, *history, user]
+    return orjson.dumps(request)
 
 
 # --- the load generator: a minimal HTTP/1.1 client ---------------------------------
@@ -384,7 +410,7 @@ async def alternating_round(
         for side in order:
             conn, path, headers = conns[side]
             t0 = time.perf_counter()
-            status, _ = await conn.request("POST", path, REQUEST, headers)
+            status, _ = await conn.request("POST", path, CALL, headers)
             if i >= 5:  # the first calls warm the connections
                 out[side].append((time.perf_counter() - t0) * 1000)
             assert status == 200, status
@@ -425,7 +451,7 @@ async def throughput_round(target: Target, rollouts: list[dict | None], calls_pe
     async def worker(conn: Conn, rollout: dict | None) -> None:
         headers = auth(rollout)
         for _ in range(calls_per_worker):
-            status, _ = await conn.request("POST", target.path, REQUEST, headers)
+            status, _ = await conn.request("POST", target.path, CALL, headers)
             assert status == 200, status
 
     t0 = time.perf_counter()
@@ -872,6 +898,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--rollouts", type=int, default=16384)
     p.add_argument(
+        "--history-kib",
+        type=int,
+        default=0,
+        help="pad the latency, throughput and interceptor phases' request with this many KiB of earlier "
+        "turns (default 0: a 191-byte chat request; the plane's latency and throughput targets are for it)",
+    )
+    p.add_argument(
         "--pythonmalloc",
         default=None,
         help="PYTHONMALLOC for the proxies (default: unset, so lowwater proxy picks glibc's 'malloc' itself; "
@@ -924,6 +957,11 @@ def main() -> None:
     servers = set(a.servers.split(","))
     if a.gate_child:
         return gate_child()
+    if a.history_kib < 0:
+        p.error("--history-kib must be 0 or more")
+    global CALL
+    if a.history_kib:
+        CALL = with_history(a.history_kib * 1024)
     if a.forwarder and "latency" not in phases:
         p.error("--forwarder adds a series to the latency phase: include latency in --phases")
     if a.plane_no_ack and ("latency" not in phases or "plane" not in servers):
@@ -1104,7 +1142,7 @@ def main() -> None:
         a,
         omit=("gate_child",),
         phases=sorted(phases),
-        request_bytes=len(REQUEST),
+        request_bytes=len(CALL),
         cores=os.cpu_count(),
         pythonmalloc=a.pythonmalloc or "default (lowwater proxy: malloc; --previous: pymalloc)",
         servers=sorted(servers),
@@ -1135,6 +1173,9 @@ def main() -> None:
         "plane_rss_resting_minus_baseline_bytes": {"max": 16 * MIB},
         "plane_second_burst_added_bytes": {"max": 1 * MIB},
     }
+    if a.history_kib:
+        # The latency and throughput targets are for the default request; a long history is reported, not judged.
+        limits = {k: v for k, v in limits.items() if "latency" not in k and "added" not in k and "throughput" not in k}
     targets = {key: target(results[key], **bound) for key, bound in limits.items() if key in results}
     emit("interception", params, results, targets)
 
