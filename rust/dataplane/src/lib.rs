@@ -93,6 +93,8 @@ pub mod rewrite;
 #[cfg(not(loom))]
 pub mod rollouts;
 #[cfg(not(loom))]
+mod scan;
+#[cfg(not(loom))]
 mod server;
 #[cfg(not(loom))]
 pub mod sse;

@@ -14,10 +14,10 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 
-use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use crate::error::ConfigError;
+use crate::scan;
 
 /// Deepest nesting of JSON arrays and objects a request may have (the Python
 /// server's `MAX_JSON_DEPTH`: orjson writes at most 254 levels, so a deeper
@@ -292,7 +292,7 @@ pub fn nests_deeper_than(body: &[u8], max: usize) -> bool {
     let mut i = 0;
     while let Some(&b) = body.get(i) {
         match b {
-            b'"' => match string_end(body, i + 1) {
+            b'"' => match crate::scan::string_end(body, i + 1) {
                 Some(end) => i = end,
                 None => return false, // unterminated: the parser names the error
             },
@@ -308,18 +308,6 @@ pub fn nests_deeper_than(body: &[u8], max: usize) -> bool {
         i += 1;
     }
     false
-}
-
-/// The index of the quote that ends the string whose text starts at
-/// `from`, or `None` when the body ends first.
-fn string_end(body: &[u8], mut from: usize) -> Option<usize> {
-    loop {
-        let at = from + memchr::memchr2(b'"', b'\\', body.get(from..)?)?;
-        if body[at] == b'"' {
-            return Some(at);
-        }
-        from = at + 2; // past the backslash and the character it escapes
-    }
 }
 
 /// A request's top-level keys (decoded; the last of duplicates, as
@@ -348,12 +336,6 @@ fn kind_name(kind: FieldKind) -> &'static str {
         FieldKind::PositiveInteger => "a positive integer",
         FieldKind::StringOrArray => "a string or a list",
     }
-}
-
-#[derive(Deserialize)]
-struct RoleOnly<'a> {
-    #[serde(borrow)]
-    role: Option<Cow<'a, str>>,
 }
 
 impl ProtocolSpec {
@@ -424,23 +406,28 @@ impl ProtocolSpec {
         if !raw.starts_with('[') {
             return bad(format!("field '{key}' must be {shape} of objects"));
         }
-        let items: Vec<&RawValue> =
-            serde_json::from_str(raw).map_err(|e| BadRequest(format!("malformed JSON: {e}")))?;
+        // The list was validated by the top-level parse: walked, not parsed again (src/scan.rs).
+        let Some(items) = scan::array_items(raw) else {
+            return bad(format!("field '{key}' must be {shape} of objects"));
+        };
         if items.is_empty() {
             return bad(format!("field '{key}' must be {shape} of objects"));
         }
+        let base = offset(list).start;
         let mut messages = Vec::with_capacity(items.len());
-        for (i, item) in items.iter().enumerate() {
-            if !item.get().starts_with('{') {
+        for (i, span) in items.into_iter().enumerate() {
+            let item = &raw[span.clone()];
+            if !item.starts_with('{') {
                 return bad(format!("{key}[{i}] must be an object"));
             }
             if !self.messages.roles.is_empty() {
-                let role = serde_json::from_str::<RoleOnly<'_>>(item.get()).ok().and_then(|r| r.role);
+                // A role that is absent, null, not a string or given twice is refused, as before.
+                let role = scan::object_field(item, "role").ok().flatten().and_then(scan::decoded);
                 if !role.is_some_and(|r| self.messages.roles.iter().any(|k| *k == r)) {
                     return bad(format!("{key}[{i}].role must be one of {}", self.messages.roles.join(", ")));
                 }
             }
-            messages.push(offset(item));
+            messages.push(base + span.start..base + span.end);
         }
         Ok(ParsedRequest { model, stream, messages, tools, spans })
     }
