@@ -292,7 +292,7 @@ pub fn nests_deeper_than(body: &[u8], max: usize) -> bool {
     let mut i = 0;
     while let Some(&b) = body.get(i) {
         match b {
-            b'"' => match crate::scan::string_end(body, i + 1) {
+            b'"' => match scan::string_end(body, i + 1) {
                 Some(end) => i = end,
                 None => return false, // unterminated: the parser names the error
             },
@@ -634,28 +634,24 @@ mod tests {
     /// The byte-by-byte scan `nests_deeper_than` replaced: the reference it
     /// must agree with on any input.
     fn nests_deeper_than_bytewise(body: &[u8], max: usize) -> bool {
-        let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
-        for &b in body {
+        let (mut depth, mut in_string) = (0usize, false);
+        let mut bytes = body.iter();
+        while let Some(&b) = bytes.next() {
             if in_string {
-                if escaped {
-                    escaped = false;
-                } else if b == b'\\' {
-                    escaped = true;
+                if b == b'\\' {
+                    bytes.next(); // the escaped byte, whatever it is
                 } else if b == b'"' {
                     in_string = false;
                 }
-                continue;
-            }
-            match b {
-                b'"' => in_string = true,
-                b'[' | b'{' => {
-                    depth += 1;
-                    if depth > max {
-                        return true;
-                    }
+            } else if b == b'"' {
+                in_string = true;
+            } else if b == b'[' || b == b'{' {
+                depth += 1;
+                if depth > max {
+                    return true;
                 }
-                b']' | b'}' => depth = depth.saturating_sub(1),
-                _ => {}
+            } else if b == b']' || b == b'}' {
+                depth = depth.saturating_sub(1);
             }
         }
         false
