@@ -47,9 +47,20 @@ const FORWARD_HEADERS: [&str; 3] = ["anthropic-version", "anthropic-beta", "open
 /// server's `SEND_TIMEOUT_S`).
 const SEND_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Bodies at least this large are copied into the intercept table off the
-/// async path (bytes).
+/// Bodies at least this large are copied into the intercept table, and
+/// answers at least this large checked as JSON, off the async path (bytes).
 const BLOCKING_COPY_BYTES: usize = 1 << 20;
+
+/// `work()` over `len` bytes; from [`BLOCKING_COPY_BYTES`] up through
+/// `block_in_place`, which first hands this worker's other calls to another
+/// worker: a pass over up to 64 MiB (~10 ms) must not stall them.
+fn off_worker_if_large<T>(len: usize, work: impl FnOnce() -> T) -> T {
+    if len >= BLOCKING_COPY_BYTES {
+        tokio::task::block_in_place(work)
+    } else {
+        work()
+    }
+}
 
 /// Chunks a stream's relay may run ahead of its client.
 const RELAY_DEPTH: usize = 16;
@@ -347,9 +358,7 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
         return error(spec.flavour, 410, &format!("rollout {} was closed", rollout.id));
     };
     let insert = || Held::insert(&sh.table, &request_id, &rollout.id, &spec.name, parsed.stream, &body);
-    // A large copy (up to 64 MiB, ~10 ms) must not stall the other calls on
-    // this worker thread: block_in_place hands them to another worker first.
-    let held = if body.len() >= BLOCKING_COPY_BYTES { tokio::task::block_in_place(insert) } else { insert() };
+    let held = off_worker_if_large(body.len(), insert);
     let held = match held {
         Ok(h) => h,
         Err(e) => {
@@ -539,11 +548,7 @@ impl Call {
         let readable = self.may_release()
             && (err.is_some()
                 || !(200..300).contains(&status)
-                || if bytes.len() >= BLOCKING_COPY_BYTES {
-                    tokio::task::block_in_place(|| crate::readable::is_json(&bytes))
-                } else {
-                    crate::readable::is_json(&bytes)
-                });
+                || off_worker_if_large(bytes.len(), || crate::readable::is_json(&bytes)));
         match self.commit(status, bytes.clone(), err.clone(), upstream_s, readable) {
             Err(Cancelled) => self.closed(),
             Ok(ack) => {
