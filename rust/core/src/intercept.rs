@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use crate::accounting::Accounting;
 use crate::error::TableError;
-use crate::payload::Payload;
+use crate::payload::{Payload, PayloadMut};
 use crate::sync::{fence, AtomicBool, AtomicU64, CowList, Map, Ordering, Slot};
 
 /// One intercepted model call.
@@ -195,6 +195,64 @@ impl InterceptTable {
         protocol: &str,
         stream: bool,
     ) -> Result<(), TableError> {
+        let copy = || Payload::copy_from(body, self.mmap_threshold, &self.acct.live);
+        self.insert_with(request_id, rollout_id, body.len(), copy, protocol, stream)
+    }
+
+    /// A writable payload of `len` bytes for a body read straight into the
+    /// memory this table will hold ([`PayloadMut::receiving`]: at or above
+    /// the table's `mmap_threshold` a mapping of its own, its pages faulted
+    /// as they are written).  Its bytes count in the table's `live_bytes`
+    /// from now; they become an entry's with [`InterceptTable::insert_payload`]
+    /// once filled and frozen, without the copy [`InterceptTable::insert`]
+    /// makes.  Nothing is reserved against the capacity before that insert,
+    /// as for a body read into a buffer of the caller's.
+    ///
+    /// Errors: [`TableError::Alloc`] when the memory cannot be had.
+    pub fn receive_buffer(&self, len: usize) -> Result<PayloadMut, TableError> {
+        PayloadMut::receiving(len, self.mmap_threshold, &self.acct.live)
+    }
+
+    /// Hold `payload` as the intercept `request_id` of `rollout_id`, as
+    /// [`InterceptTable::insert`] holds a copy of its body: the payload of a
+    /// [`InterceptTable::receive_buffer`] of this table is held as it is; one
+    /// made for another table is copied (its bytes count in that table's
+    /// `live_bytes`, which this table cannot take over).
+    ///
+    /// Errors: as [`InterceptTable::insert`]; a refused payload is dropped
+    /// (its memory freed).
+    pub fn insert_payload(
+        &self,
+        request_id: &str,
+        rollout_id: &str,
+        payload: Payload,
+        protocol: &str,
+        stream: bool,
+    ) -> Result<(), TableError> {
+        let n = payload.len();
+        let own = || {
+            if payload.counts_in(&self.acct.live) {
+                Ok(payload)
+            } else {
+                Payload::copy_from(payload.as_slice(), self.mmap_threshold, &self.acct.live)
+            }
+        };
+        self.insert_with(request_id, rollout_id, n, own, protocol, stream)
+    }
+
+    /// The insert behind [`InterceptTable::insert`] and
+    /// [`InterceptTable::insert_payload`]: `payload()` gives the `n` bytes
+    /// to hold, called once the cheap refusals passed and the bytes are
+    /// reserved.
+    fn insert_with(
+        &self,
+        request_id: &str,
+        rollout_id: &str,
+        n: usize,
+        payload: impl FnOnce() -> Result<Payload, TableError>,
+        protocol: &str,
+        stream: bool,
+    ) -> Result<(), TableError> {
         let closed = || TableError::RolloutClosed { rollout_id: rollout_id.to_string() };
         let duplicate = || TableError::Duplicate { key: request_id.to_string() };
         // Cheap early refusals, before reserving and copying a large body.
@@ -204,9 +262,9 @@ impl InterceptTable {
         if self.entries.contains(request_id) {
             return Err(duplicate());
         }
-        let n = body.len() as u64;
+        let n = n as u64;
         self.acct.reserve(n, 0)?;
-        let payload = match Payload::copy_from(body, self.mmap_threshold, &self.acct.live) {
+        let payload = match payload() {
             Ok(p) => p,
             Err(e) => {
                 self.acct.unreserve(n);

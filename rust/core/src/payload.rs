@@ -96,6 +96,18 @@ impl Payload {
     pub fn is_mapped(&self) -> bool {
         matches!(self.storage, Storage::Mapped(_))
     }
+
+    /// True when the payload's bytes count in `live` (it was made for the
+    /// table that owns `live`).
+    pub(crate) fn counts_in(&self, live: &Arc<LiveBytes>) -> bool {
+        Arc::ptr_eq(&self.live, live)
+    }
+}
+
+impl AsRef<[u8]> for Payload {
+    fn as_ref(&self) -> &[u8] {
+        self.as_slice()
+    }
 }
 
 impl Drop for Payload {
@@ -173,6 +185,31 @@ impl PayloadMut {
         };
         live.0.fetch_add(len as u64, Ordering::AcqRel);
         Ok(PayloadMut { storage: Some(storage), len, live: Arc::clone(live) })
+    }
+
+    /// A payload of `len` bytes about to be written as they arrive (a request
+    /// body read from its connection): at or above `mmap_threshold` bytes a
+    /// fresh anonymous mapping whose pages are faulted in as they are
+    /// written, not in advance, so a size declared but not yet sent costs no
+    /// memory (a client that declares 64 MiB and stalls holds no 64 MiB);
+    /// from [`HUGE_PAGE_BYTES`] up advised to use transparent huge pages, as
+    /// [`PayloadMut::zeroed`] does.  Below the threshold a zero-filled heap
+    /// buffer.
+    ///
+    /// Errors: [`TableError::Alloc`] when the memory cannot be had.
+    pub fn receiving(len: usize, mmap_threshold: usize, live: &Arc<LiveBytes>) -> Result<Self, TableError> {
+        if len == 0 || len < mmap_threshold {
+            return Self::zeroed(len, mmap_threshold, live);
+        }
+        let map = match huge_mapping(len) {
+            Some(map) => map,
+            None => memmap2::MmapOptions::new()
+                .len(len)
+                .map_anon()
+                .map_err(|e| TableError::Alloc { bytes: len, reason: e.to_string() })?,
+        };
+        live.0.fetch_add(len as u64, Ordering::AcqRel);
+        Ok(PayloadMut { storage: Some(StorageMut::Mapped(map)), len, live: Arc::clone(live) })
     }
 
     /// The bytes to fill.

@@ -159,6 +159,66 @@ fn intercept_capacity_and_stale() {
 }
 
 #[test]
+fn a_received_payload_is_held_without_a_copy() {
+    let t = InterceptTable::new(Some(3 * 8192), 4096);
+    t.open_rollout("r");
+    // Filled in place, counted live from the start, reserved only by the insert.
+    let mut m = t.receive_buffer(8192).unwrap();
+    assert_eq!((t.stats().live_bytes, t.stats().bytes), (8192, 0));
+    m.as_mut_slice().fill(b'x');
+    let p = m.freeze().unwrap();
+    assert!(p.is_mapped(), "at the threshold: a mapping of its own");
+    let at = p.as_slice().as_ptr();
+    t.insert_payload("q1", "r", p, "chat", false).unwrap();
+    let held = t.get("q1").unwrap();
+    assert_eq!(held.payload.as_slice().as_ptr(), at, "the same memory, not a copy");
+    assert!(held.payload.as_slice().iter().all(|&b| b == b'x'));
+    let st = t.stats();
+    assert_eq!((st.entries, st.bytes, st.live_bytes, st.inserts), (1, 8192, 8192, 1));
+    // Refusals drop the payload: closed rollout, duplicate id, over capacity.
+    let fresh = |t: &InterceptTable| t.receive_buffer(8192).unwrap().freeze().unwrap();
+    let refused =
+        |r| matches!(r, Err(TableError::RolloutClosed { .. } | TableError::Duplicate { .. } | TableError::Full { .. }));
+    assert!(refused(t.insert_payload("q2", "gone", fresh(&t), "chat", false)));
+    assert!(refused(t.insert_payload("q1", "r", fresh(&t), "chat", false)));
+    t.insert_payload("q2", "r", fresh(&t), "chat", false).unwrap();
+    t.insert_payload("q3", "r", fresh(&t), "chat", false).unwrap();
+    assert!(refused(t.insert_payload("q4", "r", fresh(&t), "chat", false)));
+    let st = t.stats();
+    assert_eq!((st.entries, st.bytes, st.live_bytes, st.rejected), (3, 3 * 8192, 3 * 8192, 1));
+    drop(held);
+    assert_eq!(t.close_rollout("r").len(), 3);
+    assert_eq!((t.stats().bytes, t.stats().live_bytes), (0, 0));
+}
+
+#[test]
+fn a_payload_of_another_table_is_copied() {
+    let (a, b) = (InterceptTable::new(None, 4096), InterceptTable::new(None, 4096));
+    b.open_rollout("r");
+    let mut m = a.receive_buffer(5000).unwrap();
+    m.as_mut_slice()[4999] = 7;
+    let p = m.freeze().unwrap();
+    let at = p.as_slice().as_ptr();
+    b.insert_payload("q", "r", p, "chat", false).unwrap();
+    let held = b.get("q").unwrap();
+    assert_ne!(held.payload.as_slice().as_ptr(), at);
+    assert_eq!(held.payload.as_slice()[4999], 7);
+    // Each table counts only its own bytes: `a`'s payload was dropped after the copy.
+    assert_eq!((a.stats().live_bytes, b.stats().live_bytes, b.stats().bytes), (0, 5000, 5000));
+}
+
+#[test]
+fn a_small_received_payload_is_on_the_heap() {
+    let t = InterceptTable::new(None, 4096);
+    let p = t.receive_buffer(100).unwrap().freeze().unwrap();
+    assert!(!p.is_mapped());
+    assert_eq!(p.as_slice(), &[0u8; 100][..]);
+    assert_eq!(t.stats().live_bytes, 100);
+    drop(p);
+    assert_eq!(t.stats().live_bytes, 0);
+}
+
+#[test]
 fn insert_racing_close_never_leaks() {
     for round in 0..50 {
         let t = Arc::new(InterceptTable::new(None, 1 << 20));

@@ -8,6 +8,7 @@ use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
+use lowwater_core::{InterceptTable, Payload, PayloadMut};
 use tokio::sync::mpsc;
 use tokio::time::{timeout_at, Instant};
 
@@ -21,28 +22,82 @@ pub(crate) enum BodyError {
     /// Not all there within the read timeout (a client that stalls or
     /// trickles its body would otherwise hold the call and its buffer): 408.
     TimedOut,
+    /// Read, but the memory it was read into could not be made the table's
+    /// (its mapping could not be made read-only): 503, as for a body the
+    /// table cannot hold.
+    Unheld(String),
 }
 
-/// Read a request body of at most `limit` bytes into one buffer (of its
-/// `content-length` when declared, so a large body is not regrown), all of
-/// it within `timeout` (a deadline for the whole body, not per chunk: a
-/// byte a minute would pass a per-chunk one).
+/// A request body as read: in a buffer of its own, or already in the
+/// memory the intercept table will hold ([`read_limited`]).
+pub(crate) enum ReadBody {
+    /// Read into a buffer (a small body, one without `content-length`, or
+    /// one read with no table to store it in).
+    Buffered(Bytes),
+    /// Read straight into a payload of the intercept table's
+    /// ([`InterceptTable::receive_buffer`]), held by
+    /// [`InterceptTable::insert_payload`] with no copy.
+    Stored(Payload),
+}
+
+impl ReadBody {
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        match self {
+            ReadBody::Buffered(b) => b,
+            ReadBody::Stored(p) => p.as_slice(),
+        }
+    }
+
+    /// The body as [`Bytes`] (a stored one shares its payload, no copy).
+    pub(crate) fn into_bytes(self) -> Bytes {
+        match self {
+            ReadBody::Buffered(b) => b,
+            ReadBody::Stored(p) => Bytes::from_owner(p),
+        }
+    }
+}
+
+/// Read a request body of at most `limit` bytes, all of it within `timeout`
+/// (a deadline for the whole body, not per chunk: a byte a minute would
+/// pass a per-chunk one).
+///
+/// A body whose `content-length` is at least `store`'s `mmap_threshold` is
+/// read straight into a payload of that intercept table
+/// ([`ReadBody::Stored`]): a large body (an agent's whole history with its
+/// images, resent every turn) is then written once, where the table holds it,
+/// not into a buffer and then copied into the table's mapping (that copy,
+/// with its fresh pages and the buffer's unmapping, was a quarter of the
+/// plane's CPU for 1 MiB requests: docs/dataplane.md).  Any other body is
+/// read into one buffer of its `content-length` when declared, so a large
+/// body is not regrown.
 pub(crate) async fn read_limited(
     mut body: Incoming,
     declared: Option<u64>,
     limit: usize,
     timeout: Duration,
-) -> Result<Bytes, BodyError> {
+    store: Option<&InterceptTable>,
+) -> Result<ReadBody, BodyError> {
     let deadline = Instant::now() + timeout;
     if declared.is_some_and(|d| d > limit as u64) {
         drain(body, limit, deadline).await;
         return Err(BodyError::TooLarge);
     }
+    let in_place = match (declared, store) {
+        (Some(d), Some(table)) if d > 0 && d as usize >= table.mmap_threshold() => {
+            // Refused memory: read into a buffer instead, whose own failure
+            // (or the table's at the insert) answers as it always has.
+            table.receive_buffer(d as usize).ok()
+        }
+        _ => None,
+    };
+    if let Some(payload) = in_place {
+        return read_in_place(body, payload, deadline).await.map(ReadBody::Stored);
+    }
     let mut buf = BytesMut::with_capacity(declared.map_or(0, |d| d as usize));
     loop {
         let Ok(frame) = timeout_at(deadline, body.frame()).await else { return Err(BodyError::TimedOut) };
         let Some(frame) = frame else { break };
-        let frame = frame.map_err(|e| BodyError::Cut(format!("the request body was cut short: {e}")))?;
+        let frame = frame.map_err(cut)?;
         if let Ok(data) = frame.into_data() {
             if buf.len() + data.len() > limit {
                 drop(buf);
@@ -52,7 +107,36 @@ pub(crate) async fn read_limited(
             buf.extend_from_slice(&data);
         }
     }
-    Ok(buf.freeze())
+    Ok(ReadBody::Buffered(buf.freeze()))
+}
+
+fn cut(e: hyper::Error) -> BodyError {
+    BodyError::Cut(format!("the request body was cut short: {e}"))
+}
+
+/// Fill `payload` (the body's declared length) from `body`.  hyper frames a
+/// body by its `content-length`, so neither more nor fewer bytes arrive
+/// without an error first; both are refused here as well (400), never
+/// written past the payload or held short.  A refused payload is dropped,
+/// its memory freed and its bytes no longer counted.
+async fn read_in_place(mut body: Incoming, mut payload: PayloadMut, deadline: Instant) -> Result<Payload, BodyError> {
+    let mut filled = 0;
+    loop {
+        let Ok(frame) = timeout_at(deadline, body.frame()).await else { return Err(BodyError::TimedOut) };
+        let Some(frame) = frame else { break };
+        let frame = frame.map_err(cut)?;
+        if let Ok(data) = frame.into_data() {
+            let Some(dest) = payload.as_mut_slice().get_mut(filled..filled + data.len()) else {
+                return Err(BodyError::Cut("the request body is longer than its content-length".into()));
+            };
+            dest.copy_from_slice(&data);
+            filled += data.len();
+        }
+    }
+    if filled != payload.len() {
+        return Err(BodyError::Cut(format!("the request body was cut short: {filled} of its {} bytes", payload.len())));
+    }
+    payload.freeze().map_err(|e| BodyError::Unheld(format!("the request body cannot be held: {e}")))
 }
 
 /// Discard the rest of a refused body so the client gets to read the answer,

@@ -16,7 +16,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use lowwater_core::{Intercept, InterceptTable, TableError};
+use lowwater_core::{Intercept, InterceptTable, Payload, TableError};
 
 /// One held request body; dropping it discards the table entry.
 pub(crate) struct Held {
@@ -48,6 +48,27 @@ impl Held {
         body: &[u8],
     ) -> Result<Self, TableError> {
         table.insert(request_id, rollout_id, body, protocol, stream)?;
+        Self::entry(table, request_id, rollout_id)
+    }
+
+    /// Hold `payload` (read straight into `table`'s memory:
+    /// [`InterceptTable::receive_buffer`]) under `request_id`, no copy.
+    ///
+    /// # Errors
+    /// As [`Held::insert`].
+    pub(crate) fn insert_payload(
+        table: &Arc<InterceptTable>,
+        request_id: &str,
+        rollout_id: &str,
+        protocol: &str,
+        stream: bool,
+        payload: Payload,
+    ) -> Result<Self, TableError> {
+        table.insert_payload(request_id, rollout_id, payload, protocol, stream)?;
+        Self::entry(table, request_id, rollout_id)
+    }
+
+    fn entry(table: &Arc<InterceptTable>, request_id: &str, rollout_id: &str) -> Result<Self, TableError> {
         match table.get(request_id) {
             Some(intercept) => Ok(Held { table: Arc::clone(table), intercept }),
             // Swept by a close between the insert and here: the rollout is gone.

@@ -29,7 +29,7 @@ use lowwater_core::{InterceptTable, TableError};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::body::{read_limited, BodyError, Relay, ResBody};
+use crate::body::{read_limited, BodyError, ReadBody, Relay, ResBody};
 use crate::divergence::MessageHasher;
 use crate::held::Held;
 use crate::lifecycle::{CallId, Cancelled};
@@ -304,7 +304,8 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
     // Only a call some intercept hook will see pays for a copy of its headers.
     let hook_headers = if sh.upcalls.intercepts(pid) { hook_headers(req.headers()) } else { Vec::new() };
     let declared = content_length(req.headers());
-    let body = match read_limited(req.into_body(), declared, sh.max_body_bytes, sh.body_read_timeout).await {
+    let read = read_limited(req.into_body(), declared, sh.max_body_bytes, sh.body_read_timeout, Some(&sh.table));
+    let body = match read.await {
         Ok(b) => b,
         Err(BodyError::TooLarge) => {
             bump(&sh.counters.refused);
@@ -322,11 +323,15 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
             let why = format!("request body not received within {} s", sh.body_read_timeout.as_secs_f64());
             return closing(error(spec.flavour, 408, &why));
         }
+        Err(BodyError::Unheld(why)) => {
+            bump(&sh.counters.failed);
+            return error(spec.flavour, 503, &why);
+        }
     };
     let all_rules = sh.rewrites.load_full();
     let rules = all_rules.get(usize::from(pid)).and_then(Option::as_ref);
     let rewriting = rules.is_some() || rollout.model.is_some();
-    let parsed = if rewriting { spec.parse_keeping_spans(&body) } else { spec.parse(&body) };
+    let parsed = if rewriting { spec.parse_keeping_spans(body.as_slice()) } else { spec.parse(body.as_slice()) };
     let parsed = match parsed {
         Ok(p) => p,
         Err(bad) => {
@@ -344,9 +349,10 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
     let (body, parsed) = if intercepted {
         // A hook's body is rewritten like the agent's: keep its spans too.
         let reparse = |b: &[u8]| if rewriting { spec.parse_keeping_spans(b) } else { spec.parse(b) };
-        let call = crate::upcall::Intercepted { request_id: &request_id, headers: hook_headers, body };
+        let call =
+            crate::upcall::Intercepted { request_id: &request_id, headers: hook_headers, body: body.into_bytes() };
         match crate::upcall::intercept(&sh, &rollout, &spec, call, parsed, reparse).await {
-            Ok(forward) => forward,
+            Ok((forward, parsed)) => (ReadBody::Buffered(forward), parsed),
             Err(response) => return response,
         }
     } else {
@@ -357,8 +363,15 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
         bump(&sh.counters.closed);
         return error(spec.flavour, 410, &format!("rollout {} was closed", rollout.id));
     };
-    let insert = || Held::insert(&sh.table, &request_id, &rollout.id, &spec.name, parsed.stream, &body);
-    let held = off_worker_if_large(body.len(), insert);
+    let held = match body {
+        ReadBody::Buffered(body) => off_worker_if_large(body.len(), || {
+            Held::insert(&sh.table, &request_id, &rollout.id, &spec.name, parsed.stream, &body)
+        }),
+        // Already in the table's memory: held as it is, no pass over it.
+        ReadBody::Stored(payload) => {
+            Held::insert_payload(&sh.table, &request_id, &rollout.id, &spec.name, parsed.stream, payload)
+        }
+    };
     let held = match held {
         Ok(h) => h,
         Err(e) => {
@@ -383,11 +396,10 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: Request<Incoming>) -> Response<
         }
     };
     // From here the agent's bytes live once, in the table: the upstream
-    // request shares the table's copy.  The buffer the body was read into is
-    // dropped here, not when the call ends: a shadowed binding lives to the
-    // end of the scope, and it kept every held call's body twice
-    // (tests/held_body.rs).
-    drop(body);
+    // request shares the table's copy.  The buffer the body was read into
+    // went with the insert above, not when the call ends: a shadowed
+    // binding lives to the end of the scope, and it kept every held call's
+    // body twice (tests/held_body.rs).
     let body = held.bytes();
     let delta = delta(&sh, &rollout, &body, &parsed);
     // After the delta: the turn shows the agent's messages, the upstream gets the rewrite.

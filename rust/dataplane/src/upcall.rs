@@ -603,8 +603,9 @@ mod plane_side {
             r.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
             r
         };
-        let body = match read_limited(incoming, declared, sh.max_body_bytes, sh.body_read_timeout).await {
-            Ok(b) => b,
+        // No table to read into: a route's body is Python's, not a held call's.
+        let body = match read_limited(incoming, declared, sh.max_body_bytes, sh.body_read_timeout, None).await {
+            Ok(b) => b.into_bytes(),
             Err(BodyError::TooLarge) => {
                 let why = format!("request body over the limit of {} bytes", sh.max_body_bytes);
                 return closing(error(flavour, 413, &why));
@@ -614,6 +615,7 @@ mod plane_side {
                 let why = format!("request body not received within {} s", sh.body_read_timeout.as_secs_f64());
                 return closing(error(flavour, 408, &why));
             }
+            Err(BodyError::Unheld(why)) => return error(flavour, 503, &why),
         };
         let headers = head
             .headers

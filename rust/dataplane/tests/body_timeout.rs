@@ -81,8 +81,14 @@ fn a_stalled_body_is_408_and_leaves_nothing() {
     let head = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-api-key: s\r\ncontent-length: 10\r\n\r\n";
     assert_eq!(status_and_body(&stalled_call(addr, head, b"")).0, 408);
 
+    // A body over the table's mmap threshold (1 MiB) is read straight into a
+    // payload of the table's: stalled, its memory goes with the call.
+    let head = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-api-key: s\r\ncontent-length: 2097152\r\n\r\n";
+    assert_eq!(status_and_body(&stalled_call(addr, head, partial)).0, 408);
+    assert_eq!(plane.table().stats().live_bytes, 0, "the stalled body's payload is freed");
+
     let s = settled(&plane);
-    assert_eq!((s.calls, s.refused, s.ok, s.failed), (3, 3, 0, 0), "{s:?}");
+    assert_eq!((s.calls, s.refused, s.ok, s.failed), (4, 4, 0, 0), "{s:?}");
     assert_eq!((s.in_flight, s.queued, s.awaiting_ack), (0, 0, 0), "nothing recorded or left in flight: {s:?}");
     assert!(plane.queue().drain().is_empty());
     assert_eq!(plane.unregister("r"), Some(0), "no call of the rollout left to cancel");
@@ -92,4 +98,25 @@ fn a_stalled_body_is_408_and_leaves_nothing() {
 fn a_zero_body_read_timeout_is_refused() {
     let err = plane(Duration::ZERO).unwrap_err();
     assert!(matches!(err, StartError::Config(ConfigError::Limit("body_read_timeout"))), "{err}");
+}
+
+#[test]
+fn a_large_body_cut_short_is_400_and_leaves_nothing() {
+    let plane = plane(Duration::from_secs(30)).unwrap();
+    plane.register("r", "s").unwrap();
+    let head = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-api-key: s\r\ncontent-length: 2097152\r\n\r\n";
+    let mut s = TcpStream::connect(plane.local_addr()).unwrap();
+    s.set_read_timeout(Some(GUARD)).unwrap();
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(&vec![b' '; 1 << 20]).unwrap();
+    // Half the declared body, then the client's end of the stream.
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut got = Vec::new();
+    s.read_to_end(&mut got).expect("the server answers and closes the connection");
+    let (status, body) = status_and_body(&String::from_utf8(got).unwrap());
+    assert_eq!(status, 400);
+    assert!(body["error"]["message"].as_str().unwrap().contains("cut short"), "{body}");
+    let st = settled(&plane);
+    assert_eq!((st.refused, st.in_flight, st.intercepts), (1, 0, 0), "{st:?}");
+    assert_eq!(plane.table().stats().live_bytes, 0, "the cut body's payload is freed");
 }

@@ -1,10 +1,11 @@
 //! A held call keeps its request body once: in the intercept table, shared
-//! with the upstream request.  The copy the body was read into is freed
-//! before the upstream is called, not when the call ends: a call held for
-//! minutes at a slow upstream otherwise kept the agent's whole history twice
-//! (a 4 MiB body cost 8 MiB for the call's life).  Counted with a global
-//! allocator that tallies live heap bytes, plus the table's own count of
-//! its payload bytes, so the figure is deterministic (no RSS sampling).
+//! with the upstream request.  A large body is read straight into the
+//! table's memory, never into a heap buffer first; a call held for minutes
+//! at a slow upstream once kept the agent's whole history twice (a 4 MiB
+//! body cost 8 MiB for the call's life).  Counted with a global allocator
+//! that tallies live heap bytes (and their peak), plus the table's own
+//! count of its payload bytes, so the figure is deterministic (no RSS
+//! sampling).
 #![cfg(not(loom))]
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -15,15 +16,22 @@ use std::time::Duration;
 
 use lowwater_dataplane::{Config, DataPlane};
 
-/// Live heap bytes, over every thread.
+/// Live heap bytes, over every thread, and the most there were since the
+/// test last reset it.
 static LIVE: AtomicI64 = AtomicI64::new(0);
+static PEAK: AtomicI64 = AtomicI64::new(0);
+
+fn grew(by: i64) {
+    let now = LIVE.fetch_add(by, Ordering::Relaxed) + by;
+    PEAK.fetch_max(now, Ordering::Relaxed);
+}
 
 struct Counting;
 
 // SAFETY: forwards every call to the system allocator unchanged.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
+        grew(layout.size() as i64);
         // SAFETY: the caller's contract, passed on.
         unsafe { System.alloc(layout) }
     }
@@ -33,7 +41,7 @@ unsafe impl GlobalAlloc for Counting {
         unsafe { System.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(new_size as i64 - layout.size() as i64, Ordering::Relaxed);
+        grew(new_size as i64 - layout.size() as i64);
         // SAFETY: the caller's contract, passed on.
         unsafe { System.realloc(ptr, layout, new_size) }
     }
@@ -45,25 +53,30 @@ static ALLOC: Counting = Counting;
 /// A guard against a hang, not a timing assertion.
 const GUARD: Duration = Duration::from_secs(30);
 
-/// Read one request from `s`: its head, then `content-length` bytes.
+/// Read one request from `s`: its head, then `content-length` bytes.  The
+/// body is counted, not kept: the test's own heap would count in the peak.
 fn read_request(s: &mut TcpStream) -> usize {
-    let mut got = Vec::new();
+    let mut head = Vec::new();
     let mut chunk = vec![0u8; 1 << 16];
-    loop {
+    let (len, mut got) = loop {
         let n = s.read(&mut chunk).expect("the plane forwards the request");
         assert!(n > 0, "the plane closed the upstream connection");
-        got.extend_from_slice(&chunk[..n]);
-        let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") else { continue };
-        let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
-        let len: usize = head
+        head.extend_from_slice(&chunk[..n]);
+        let Some(end) = head.windows(4).position(|w| w == b"\r\n\r\n") else { continue };
+        let text = String::from_utf8_lossy(&head[..end]).to_ascii_lowercase();
+        let len: usize = text
             .lines()
             .find_map(|l| l.strip_prefix("content-length:"))
             .map(|v| v.trim().parse().unwrap())
             .expect("a content-length");
-        if got.len() >= end + 4 + len {
-            return len;
-        }
+        break (len, head.len() - (end + 4));
+    };
+    while got < len {
+        let n = s.read(&mut chunk).expect("the plane forwards the request");
+        assert!(n > 0, "the plane closed the upstream connection");
+        got += n;
     }
+    len
 }
 
 /// Send one call of `rollout`'s key with `body` on a new connection.
@@ -124,6 +137,7 @@ fn a_held_call_keeps_its_body_once() {
     assert_eq!(plane.queue().drain().len(), 1);
 
     let before = LIVE.load(Ordering::Relaxed);
+    PEAK.store(before, Ordering::Relaxed);
     let client = send(&plane, &turn2);
     // A new upstream connection: turn 1's answer closed its own.
     let (mut held, _) = upstream.accept().unwrap();
@@ -141,6 +155,14 @@ fn a_held_call_keeps_its_body_once() {
     assert!(
         heap + table < (turn2.len() + turn2.len() / 4) as i64,
         "a held call of a {} byte body keeps {heap} heap bytes besides the table's {table}",
+        turn2.len()
+    );
+    // Nor was it ever on the heap on its way in: read into a buffer and then
+    // copied into the table, the heap peaked at the body's size over `before`.
+    let peak = PEAK.load(Ordering::Relaxed) - before;
+    assert!(
+        peak < (turn2.len() / 4) as i64,
+        "the heap peaked {peak} bytes over its start while a {} byte body was read",
         turn2.len()
     );
     // The client leaves: the call ends and is recorded (a 499 turn with the
