@@ -207,6 +207,35 @@ fn a_payload_of_another_table_is_copied() {
     assert_eq!((a.stats().live_bytes, b.stats().live_bytes, b.stats().bytes), (0, 5000, 5000));
 }
 
+/// Pages of `bytes` resident now (mincore(2)); `bytes` starts on a page.
+#[cfg(target_os = "linux")]
+fn resident_pages(bytes: &mut [u8]) -> usize {
+    let pages = bytes.len().div_ceil(4096);
+    let mut vec = vec![0u8; pages];
+    // SAFETY: a live mapping of `bytes.len()` bytes, `vec` one byte per page.
+    let rc = unsafe { libc::mincore(bytes.as_mut_ptr().cast(), bytes.len(), vec.as_mut_ptr()) };
+    assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+    vec.iter().filter(|&&v| v & 1 == 1).count()
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_received_payload_costs_pages_only_as_they_are_populated_or_written() {
+    // Under the huge-page size, so pages are 4 KiB and the counts exact.
+    let len = 1536 << 10;
+    let t = InterceptTable::new(None, 4096);
+    let mut m = t.receive_buffer(len).unwrap();
+    assert_eq!(resident_pages(m.as_mut_slice()), 0, "a declared size not yet sent costs nothing");
+    m.populate(0, 256 << 10);
+    assert_eq!(resident_pages(m.as_mut_slice()), 64, "the populated step, no more");
+    m.as_mut_slice()[len - 1] = 1;
+    assert_eq!(resident_pages(m.as_mut_slice()), 65, "and a written page");
+    // Out of range: nothing, and no panic.
+    m.populate(len - 4096, 8192);
+    m.populate(usize::MAX, 2);
+    assert_eq!(resident_pages(m.as_mut_slice()), 65);
+}
+
 #[test]
 fn a_small_received_payload_is_on_the_heap() {
     let t = InterceptTable::new(None, 4096);

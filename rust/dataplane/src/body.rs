@@ -114,23 +114,36 @@ fn cut(e: hyper::Error) -> BodyError {
     BodyError::Cut(format!("the request body was cut short: {e}"))
 }
 
+/// How far ahead of the bytes received [`read_in_place`] faults in its
+/// payload's pages (bytes).
+const POPULATE_AHEAD: usize = 256 << 10;
+
 /// Fill `payload` (the body's declared length) from `body`.  hyper frames a
 /// body by its `content-length`, so neither more nor fewer bytes arrive
 /// without an error first; both are refused here as well (400), never
 /// written past the payload or held short.  A refused payload is dropped,
 /// its memory freed and its bytes no longer counted.
 async fn read_in_place(mut body: Incoming, mut payload: PayloadMut, deadline: Instant) -> Result<Payload, BodyError> {
-    let mut filled = 0;
+    let (mut filled, mut populated) = (0, 0);
     loop {
         let Ok(frame) = timeout_at(deadline, body.frame()).await else { return Err(BodyError::TimedOut) };
         let Some(frame) = frame else { break };
         let frame = frame.map_err(cut)?;
         if let Ok(data) = frame.into_data() {
-            let Some(dest) = payload.as_mut_slice().get_mut(filled..filled + data.len()) else {
+            let end = filled + data.len();
+            if end > populated && end <= payload.len() {
+                // The pages in steps of POPULATE_AHEAD: a few calls per MiB,
+                // not a fault per page, and no more committed ahead of the
+                // bytes received than one step.
+                let to = (populated + POPULATE_AHEAD).max(end).min(payload.len());
+                payload.populate(populated, to - populated);
+                populated = to;
+            }
+            let Some(dest) = payload.as_mut_slice().get_mut(filled..end) else {
                 return Err(BodyError::Cut("the request body is longer than its content-length".into()));
             };
             dest.copy_from_slice(&data);
-            filled += data.len();
+            filled = end;
         }
     }
     if filled != payload.len() {
