@@ -1144,7 +1144,7 @@ def main() -> None:
         phases=sorted(phases),
         request_bytes=len(CALL),
         cores=os.cpu_count(),
-        pythonmalloc=a.pythonmalloc or "default (lowwater proxy: malloc; --previous: pymalloc)",
+        pythonmalloc=a.pythonmalloc or "default (lowwater proxy: malloc, set by itself; an older --previous: pymalloc)",
         servers=sorted(servers),
         previous_commit=(
             subprocess.run(

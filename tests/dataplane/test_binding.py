@@ -312,6 +312,37 @@ def test_unregister_cancels_a_waiting_call_with_410_and_leaves_nothing() -> None
     run(fn)
 
 
+def test_a_large_body_is_held_as_sent_in_the_tables_own_mapping() -> None:
+    # Over the table's mmap threshold (1 MiB) the plane reads the body straight
+    # into the memory the table holds, frame by frame: the bytes must be the
+    # agent's, whole, and gone with the call.
+    table = InterceptTable()
+    messages = [{"role": "user", "content": "y" * (3 << 20) + "the end"}]
+
+    async def fn(r: Rig) -> None:
+        r.open("r0", "s0")
+        r.upstream.hang = True
+
+        async def call() -> None:
+            await r.chat("s0", messages)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            await r.upstream.entered.wait()
+            (request_id,) = table.rollout_requests("r0")
+            view = table.get(request_id)
+            assert view is not None
+            held = bytes(memoryview(view))
+            del view
+            assert orjson.loads(held)["messages"] == messages
+            assert table.stats()["bytes"] == len(held) > 3 << 20
+            r.close("r0")
+        stats = await r.settled()
+        assert (stats["intercepts"], len(table), table.stats()["live_bytes"]) == (0, 0, 0)
+
+    run(fn, table=table)
+
+
 def test_a_given_table_holds_each_body_for_its_call() -> None:
     table = InterceptTable(capacity_bytes=1 << 20)
 

@@ -18,7 +18,7 @@ import trio.testing
 
 from dataplane.test_binding import CHAT, GUARD_S, Rig
 from interception.upstream import Upstream
-from lowwater._native import DataPlane, DataPlaneClosed, DataPlaneConfigError, TurnRecord, Upcall
+from lowwater._native import DataPlane, DataPlaneClosed, DataPlaneConfigError, InterceptTable, TurnRecord, Upcall
 from lowwater.http import HTTPError, Router, read_body, send_json, serve
 from lowwater.interception.dataplane import serve_records, turn_of
 from lowwater.interception.hooks import InterceptedCall, Interceptors, Reject
@@ -105,6 +105,28 @@ def test_a_hook_rewrites_the_body_the_upstream_and_the_turn_see() -> None:
         assert second.request_delta[-1] == {"role": "user", "content": "thanks <email>"}
 
     run(fn, hook=hooks(redact), intercept=True)
+
+
+def test_a_hook_rewrites_a_body_read_into_the_tables_memory() -> None:
+    # Over the table's mmap threshold the body is read into the table's own
+    # memory and handed to the hook from there; the rewrite is what is held
+    # and forwarded, and nothing of either is left after the call.
+    table = InterceptTable()
+    filler = "z" * (2 << 20)
+
+    async def fn(r: Rig) -> None:
+        trajectory = r.open("r0", "s0")
+        answer = await r.chat("s0", [{"role": "user", "content": f"mail ann@example.com {filler}"}])
+        assert answer.status_code == 200, answer.text
+        _, _, sent = r.upstream.received[-1]
+        assert sent["messages"] == [{"role": "user", "content": f"mail <email> {filler}"}]
+        stats = await settled(r)
+        assert (stats["upcalls"], stats["ok"]) == (1, 1)
+        (turn,) = trajectory.turns
+        assert turn.request_delta == [{"role": "user", "content": f"mail <email> {filler}"}]
+        assert (len(table), table.stats()["live_bytes"]) == (0, 0)
+
+    run(fn, hook=hooks(redact), intercept=True, table=table)
 
 
 def test_reject_gives_the_protocols_error_body_and_records_nothing() -> None:
