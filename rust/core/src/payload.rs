@@ -171,45 +171,39 @@ impl PayloadMut {
     ///
     /// Errors: [`TableError::Alloc`] when the memory cannot be had.
     pub fn zeroed(len: usize, mmap_threshold: usize, live: &Arc<LiveBytes>) -> Result<Self, TableError> {
-        let alloc = |e: std::io::Error| TableError::Alloc { bytes: len, reason: e.to_string() };
+        Self::new(len, mmap_threshold, true, live)
+    }
+
+    /// A payload of `len` bytes about to be written as they arrive (a request
+    /// body read from its connection): as [`PayloadMut::zeroed`], but a
+    /// mapping under [`HUGE_PAGE_BYTES`] is not populated up front: its pages
+    /// are faulted in as they are written (or by [`PayloadMut::populate`]),
+    /// so a size declared but not yet sent costs no memory (a client that
+    /// declares 64 MiB and stalls holds no 64 MiB).
+    ///
+    /// Errors: [`TableError::Alloc`] when the memory cannot be had.
+    pub fn receiving(len: usize, mmap_threshold: usize, live: &Arc<LiveBytes>) -> Result<Self, TableError> {
+        Self::new(len, mmap_threshold, false, live)
+    }
+
+    /// [`PayloadMut::zeroed`] (`populate`: a mapping's pages faulted in by
+    /// the `mmap` call) and [`PayloadMut::receiving`] (not).
+    fn new(len: usize, mmap_threshold: usize, populate: bool, live: &Arc<LiveBytes>) -> Result<Self, TableError> {
+        let alloc = |reason: String| TableError::Alloc { bytes: len, reason };
         let storage = if len != 0 && len >= mmap_threshold {
             StorageMut::Mapped(match huge_mapping(len) {
                 Some(map) => map,
-                None => populated_mapping(len).map_err(alloc)?,
+                None if populate => populated_mapping(len).map_err(|e| alloc(e.to_string()))?,
+                None => memmap2::MmapOptions::new().len(len).map_anon().map_err(|e| alloc(e.to_string()))?,
             })
         } else {
             let mut v = Vec::new();
-            v.try_reserve_exact(len).map_err(|e| TableError::Alloc { bytes: len, reason: e.to_string() })?;
+            v.try_reserve_exact(len).map_err(|e| alloc(e.to_string()))?;
             v.resize(len, 0);
             StorageMut::Heap(v.into_boxed_slice())
         };
         live.0.fetch_add(len as u64, Ordering::AcqRel);
         Ok(PayloadMut { storage: Some(storage), len, live: Arc::clone(live) })
-    }
-
-    /// A payload of `len` bytes about to be written as they arrive (a request
-    /// body read from its connection): at or above `mmap_threshold` bytes a
-    /// fresh anonymous mapping whose pages are faulted in as they are
-    /// written, not in advance, so a size declared but not yet sent costs no
-    /// memory (a client that declares 64 MiB and stalls holds no 64 MiB);
-    /// from [`HUGE_PAGE_BYTES`] up advised to use transparent huge pages, as
-    /// [`PayloadMut::zeroed`] does.  Below the threshold a zero-filled heap
-    /// buffer.
-    ///
-    /// Errors: [`TableError::Alloc`] when the memory cannot be had.
-    pub fn receiving(len: usize, mmap_threshold: usize, live: &Arc<LiveBytes>) -> Result<Self, TableError> {
-        if len == 0 || len < mmap_threshold {
-            return Self::zeroed(len, mmap_threshold, live);
-        }
-        let map = match huge_mapping(len) {
-            Some(map) => map,
-            None => memmap2::MmapOptions::new()
-                .len(len)
-                .map_anon()
-                .map_err(|e| TableError::Alloc { bytes: len, reason: e.to_string() })?,
-        };
-        live.0.fetch_add(len as u64, Ordering::AcqRel);
-        Ok(PayloadMut { storage: Some(StorageMut::Mapped(map)), len, live: Arc::clone(live) })
     }
 
     /// Fault in the pages of `len` bytes from `offset` (about to be

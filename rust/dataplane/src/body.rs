@@ -131,7 +131,10 @@ async fn read_in_place(mut body: Incoming, mut payload: PayloadMut, deadline: In
         let frame = frame.map_err(cut)?;
         if let Ok(data) = frame.into_data() {
             let end = filled + data.len();
-            if end > populated && end <= payload.len() {
+            if end > payload.len() {
+                return Err(BodyError::Cut("the request body is longer than its content-length".into()));
+            }
+            if end > populated {
                 // The pages in steps of POPULATE_AHEAD: a few calls per MiB,
                 // not a fault per page, and no more committed ahead of the
                 // bytes received than one step.
@@ -139,10 +142,7 @@ async fn read_in_place(mut body: Incoming, mut payload: PayloadMut, deadline: In
                 payload.populate(populated, to - populated);
                 populated = to;
             }
-            let Some(dest) = payload.as_mut_slice().get_mut(filled..end) else {
-                return Err(BodyError::Cut("the request body is longer than its content-length".into()));
-            };
-            dest.copy_from_slice(&data);
+            payload.as_mut_slice()[filled..end].copy_from_slice(&data);
             filled = end;
         }
     }
