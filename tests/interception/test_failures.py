@@ -305,3 +305,53 @@ def test_garbage_http_is_answered_by_the_server_not_the_app():
         await h.assert_clean()
 
     run(fn)
+
+
+async def _raw_reply(h, request: bytes) -> bytes:
+    """Send ``request`` on a connection of its own; everything read until the server closes it."""
+    host, port = h.server.url.removeprefix("http://").split(":")
+    stream = await trio.open_tcp_stream(host, int(port))
+    try:
+        await stream.send_all(request)
+        reply = b""
+        while chunk := await stream.receive_some():
+            reply += chunk
+        return reply
+    finally:
+        await stream.aclose()
+
+
+@pytest.mark.parametrize(
+    ("request_head", "status_line"),
+    [
+        # More headers than the HTTP parser's 100.
+        (
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n" + b"".join(b"x-%d: 1\r\n" % i for i in range(120)),
+            b"HTTP/1.1 431 ",
+        ),
+        (b"GET /v1/" + b"a" * 70_000 + b" HTTP/1.1\r\nhost: x\r\n", b"HTTP/1.1 414 "),
+        (b"POST /v1/chat/completions HTTP/1.1\r\nbad header\r\n", b"HTTP/1.1 400 "),
+        (b"POST /v1/chat/completions HTTP/9.9\r\nhost: x\r\n", b"HTTP/1.1 400 "),
+        # An HTTP/2 client with prior knowledge (the whole 24-byte preface, with the
+        # blank line the test adds): no answer, the connection closed.
+        (b"PRI * HTTP/2.0\r\n\r\nSM\r\n", b""),
+    ],
+    ids=["too-many-headers", "uri-too-long", "bad-header", "bad-version", "http2-preface"],
+)
+def test_unparsable_http_is_refused_and_the_server_serves_on(request_head, status_line):
+    """docs/interception.md#status-codes: HTTP the parser refuses is answered (or
+    closed) before any rollout is touched, and the next call is served."""
+
+    async def fn(h):
+        reply = await _raw_reply(h, request_head + b"\r\n")
+        if status_line:
+            assert reply.startswith(status_line), reply[:80]
+        else:
+            assert reply == b""
+        slot, trajectory = h.open()
+        r = await h.call(slot, "chat", body("chat"))
+        assert r.status_code == 200 and len(trajectory.turns) == 1
+        await h.assert_clean()
+        assert h.server.table.stats()["inserts"] == 1
+
+    run(fn)
