@@ -30,7 +30,11 @@ call, its request body on the agent side and the same body held in the
 intercept table.
 
 Targets (issue "Env worker processes"): peak - baseline <= 3 x live set;
-resting - baseline <= 16 MB; slope < 1 KB per rollout.
+resting - baseline <= 16 MB; slope < 1 KB per rollout.  A worker's
+settled RSS wobbles by about +-0.7 MB on its plateau (glibc's placement of
+a few pages), which a fit over the 250 rollouts per worker of a default
+run's second half reads as -1.4 to +2.4 KB per rollout: judge the slope
+with ``--rollouts 2000`` or more (benches/README.md, "churn").
 
 Usage: ``python benches/churn.py [--quick] [--workers 2] [--concurrency 4]
 [--turns 45] [--image-kb 150] [--rollouts 1000] [--sample-every 20]``.
