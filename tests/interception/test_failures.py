@@ -294,19 +294,6 @@ def test_truncated_body_leaves_nothing_behind():
     run(fn)
 
 
-def test_garbage_http_is_answered_by_the_server_not_the_app():
-    async def fn(h):
-        host, port = h.server.url.removeprefix("http://").split(":")
-        stream = await trio.open_tcp_stream(host, int(port))
-        await stream.send_all(b"NOT HTTP AT ALL\r\n\r\n")
-        reply = await stream.receive_some()
-        assert reply.startswith(b"HTTP/1.1 400")
-        await stream.aclose()
-        await h.assert_clean()
-
-    run(fn)
-
-
 async def _raw_reply(h, request: bytes) -> bytes:
     """Send ``request`` on a connection of its own; everything read until the server closes it."""
     host, port = h.server.url.removeprefix("http://").split(":")
@@ -324,6 +311,7 @@ async def _raw_reply(h, request: bytes) -> bytes:
 @pytest.mark.parametrize(
     ("request_head", "status_line"),
     [
+        (b"NOT HTTP AT ALL\r\n", b"HTTP/1.1 400"),
         # More headers than the HTTP parser's 100.
         (
             b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n" + b"".join(b"x-%d: 1\r\n" % i for i in range(120)),
@@ -336,7 +324,7 @@ async def _raw_reply(h, request: bytes) -> bytes:
         # blank line the test adds): no answer, the connection closed.
         (b"PRI * HTTP/2.0\r\n\r\nSM\r\n", b""),
     ],
-    ids=["too-many-headers", "uri-too-long", "bad-header", "bad-version", "http2-preface"],
+    ids=["not-http", "too-many-headers", "uri-too-long", "bad-header", "bad-version", "http2-preface"],
 )
 def test_unparsable_http_is_refused_and_the_server_serves_on(request_head, status_line):
     """docs/interception.md#status-codes: HTTP the parser refuses is answered (or
